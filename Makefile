@@ -1,0 +1,31 @@
+# Two entry points (see README): `make quickstart` and `make test`. Both set up a fresh machine first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-slow quickstart bench clean
+
+setup: $(STAMP)
+
+# torch is installed on its own first: a bare `torch` requirement can pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[all]"
+	$(PY) -m dynmoe_dist.tasks.assets
+	touch $(STAMP)
+
+# Tests run in a loopback-only network namespace where the machine allows it (root + unshare).
+test: setup
+	sh launcher/loopback.sh $(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-slow: setup
+	sh launcher/loopback.sh $(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+quickstart: setup
+	sh launcher/loopback.sh $(PY) -m dynmoe_dist.train --config launcher/configs/quickstart.toml
+
+clean:
+	rm -rf $(VENV) runs .cache

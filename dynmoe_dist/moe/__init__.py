@@ -1,0 +1,13 @@
+"""Pure single-process MoE math: routing, losses, experts, permutation, the layer, upcycling.
+
+Never imports torch.distributed or ray (a test checks this).
+"""
+
+from .config import MoEConfig
+from .experts import ExpertBank, FeedForward
+from .layer import LocalDispatcher, MoELayer, MoEOutput
+from .routing import Routing
+from .upcycle import upcycle
+
+__all__ = ["MoEConfig", "ExpertBank", "FeedForward", "LocalDispatcher", "MoELayer", "MoEOutput",
+           "Routing", "upcycle"]

@@ -1,0 +1,105 @@
+"""MoEConfig: everything one MoE feed-forward layer needs to know.
+
+Validation happens in ``__post_init__`` so a bad value fails where it is written, with the
+field name and the value in the message, before any tensor or collective exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+ROUTERS = ("top_any", "top_k", "top_p")
+AUX_LOSSES = ("diverse", "simple", "load_balance", "efficiency", "switch")
+ACTIVATIONS = ("gelu", "relu", "silu")
+TRAIN_K0_MODES = ("zero", "top1")
+EVAL_K0_MODES = ("top1", "skip")
+EXPERT_COMPUTE = ("auto", "grouped_mm", "loop")
+
+DEFAULT_AUX = {
+    "top_any": ("diverse", "simple", "load_balance", "efficiency"),
+    "top_k": ("switch",),
+    "top_p": ("switch",),
+}
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass
+class MoEConfig:
+    """One MoE layer. Defaults follow the DynMoE authors' shipped settings."""
+
+    dim: int = 64
+    """Model (hidden) dimension D of the tokens entering the layer."""
+    ffn_dim: int = 256
+    """Hidden dimension F of each expert's two-layer feed-forward block."""
+    num_experts: int = 8
+    """Number of experts the layer starts with (DynMoE then adds and removes experts)."""
+    max_experts: Optional[int] = None
+    """Upper bound on experts during adaptive training; None means num_experts * 2."""
+    min_experts: int = 1
+    """Lower bound on experts; removals never go below it."""
+    router: str = "top_any"
+    """Routing rule: 'top_any' (DynMoE), 'top_k' (GShard/Switch) or 'top_p' (Huang et al.)."""
+    top_k: int = 2
+    """k for the top_k router."""
+    top_p: float = 0.4
+    """Probability mass p for the top_p router (the crossing expert is kept)."""
+    aux_loss_weight: float = 0.01
+    """Weight of the summed auxiliary losses of this layer."""
+    aux_losses: Optional[Tuple[str, ...]] = None
+    """Auxiliary losses that are on; None means the router's default (see DEFAULT_AUX)."""
+    activation: str = "gelu"
+    """Expert activation: 'gelu', 'relu' or 'silu'."""
+    expert_bias: bool = True
+    """Whether expert linear layers carry biases (True matches BERT-style dense blocks)."""
+    train_k0: str = "zero"
+    """Training, token with k = 0: 'zero' (MoE output 0, rides the residual; the reference) or 'top1'."""
+    eval_k0: str = "top1"
+    """Evaluation, token with k = 0: 'top1' (argmax fallback; the reference) or 'skip' (output 0)."""
+    expert_compute: str = "auto"
+    """Expert matmuls: 'grouped_mm' (torch._grouped_mm), 'loop' (one matmul per expert) or 'auto'."""
+    init_std: float = 0.02
+    """Std of the normal init of freshly created expert weights."""
+
+    def __post_init__(self) -> None:
+        if self.max_experts is None:
+            self.max_experts = self.num_experts * 2
+        if self.aux_losses is None:
+            self.aux_losses = DEFAULT_AUX.get(self.router, ())
+        self.aux_losses = tuple(self.aux_losses)
+        self.validate()
+
+    def validate(self) -> None:
+        _require(self.dim >= 1, f"dim ({self.dim}) must be >= 1")
+        _require(self.ffn_dim >= 1, f"ffn_dim ({self.ffn_dim}) must be >= 1")
+        _require(self.num_experts >= 1, f"num_experts ({self.num_experts}) must be >= 1")
+        _require(self.min_experts >= 1, f"min_experts ({self.min_experts}) must be >= 1")
+        _require(
+            self.max_experts >= self.num_experts,
+            f"max_experts ({self.max_experts}) < num_experts ({self.num_experts})",
+        )
+        _require(
+            self.min_experts <= self.num_experts,
+            f"min_experts ({self.min_experts}) > num_experts ({self.num_experts})",
+        )
+        _require(self.router in ROUTERS, f"router ({self.router!r}) must be one of {ROUTERS}")
+        if self.router == "top_k":
+            _require(
+                1 <= self.top_k <= self.num_experts,
+                f"top_k ({self.top_k}) must be in [1, num_experts ({self.num_experts})]",
+            )
+        _require(0.0 < self.top_p <= 1.0, f"top_p ({self.top_p}) must be in (0, 1]")
+        _require(self.aux_loss_weight >= 0, f"aux_loss_weight ({self.aux_loss_weight}) must be >= 0")
+        for name in self.aux_losses:
+            _require(name in AUX_LOSSES, f"aux_losses entry ({name!r}) must be one of {AUX_LOSSES}")
+        _require(self.activation in ACTIVATIONS, f"activation ({self.activation!r}) must be one of {ACTIVATIONS}")
+        _require(self.train_k0 in TRAIN_K0_MODES, f"train_k0 ({self.train_k0!r}) must be one of {TRAIN_K0_MODES}")
+        _require(self.eval_k0 in EVAL_K0_MODES, f"eval_k0 ({self.eval_k0!r}) must be one of {EVAL_K0_MODES}")
+        _require(
+            self.expert_compute in EXPERT_COMPUTE,
+            f"expert_compute ({self.expert_compute!r}) must be one of {EXPERT_COMPUTE}",
+        )

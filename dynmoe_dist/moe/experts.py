@@ -1,0 +1,149 @@
+"""ExpertBank: the experts a process holds, computed over expert-contiguous rows.
+
+Shape legend: R rows (routed pairs that arrived here), D model dim, F expert hidden dim,
+e local experts (slots). ``counts_e`` says how many consecutive rows belong to each local slot.
+
+Each expert is its own module with its own parameters, so that an expert can be removed, added or
+moved between ranks together with *its own* optimizer state (Adam's step count included): a stacked
+(E, D, F) parameter would force one shared step count on a freshly added expert. The grouped-matmul
+path stacks the weights per call; that copy is small next to the matmuls it feeds.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, List, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from .config import MoEConfig
+
+ACTIVATION_FNS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
+
+
+class FeedForward(nn.Module):
+    """Two-layer feed-forward block with nn.Linear's weight layout (out_features, in_features).
+
+    The same module is a dense transformer FFN and one expert, which is what makes upcycling a copy."""
+
+    def __init__(self, dim: int, ffn_dim: int, *, bias: bool = True, activation: str = "gelu",
+                 init_std: float = 0.02):
+        super().__init__()
+        self.activation = activation
+        self.w_in = nn.Parameter(torch.empty(ffn_dim, dim).normal_(0.0, init_std))
+        self.w_out = nn.Parameter(torch.empty(dim, ffn_dim).normal_(0.0, init_std))
+        self.b_in = nn.Parameter(torch.zeros(ffn_dim)) if bias else None
+        self.b_out = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def forward(self, rows_RD: Tensor) -> Tensor:
+        dtype = rows_RD.dtype
+        hidden_RF = F.linear(rows_RD, self.w_in.to(dtype), _cast(self.b_in, dtype))
+        hidden_RF = ACTIVATION_FNS[self.activation](hidden_RF)
+        return F.linear(hidden_RF, self.w_out.to(dtype), _cast(self.b_out, dtype))
+
+
+def _cast(t, dtype):
+    return None if t is None else t.to(dtype)
+
+
+def new_expert(config: MoEConfig) -> FeedForward:
+    return FeedForward(config.dim, config.ffn_dim, bias=config.expert_bias,
+                     activation=config.activation, init_std=config.init_std)
+
+
+def use_grouped_mm(mode: str, rows_RD: Tensor) -> bool:
+    """'auto' picks torch._grouped_mm on CUDA in bf16, where it is a real fused kernel; on CPU a
+    per-expert loop runs the same matmuls at the same speed without stacking the weights."""
+    if mode == "grouped_mm":
+        return True
+    if mode == "loop":
+        return False
+    return rows_RD.is_cuda and rows_RD.dtype == torch.bfloat16
+
+
+class ExpertBank(nn.Module):
+    """The local experts of one MoE layer, in local-slot order."""
+
+    def __init__(self, config: MoEConfig, experts: Iterable[FeedForward]):
+        super().__init__()
+        self.config = config
+        self.experts = nn.ModuleList(experts)
+
+    @classmethod
+    def fresh(cls, config: MoEConfig, num_experts: int) -> "ExpertBank":
+        return cls(config, [new_expert(config) for _ in range(num_experts)])
+
+    def __len__(self) -> int:
+        return len(self.experts)
+
+    def forward(self, rows_RD: Tensor, counts_e: Tensor) -> Tensor:
+        if len(self.experts) == 0 or rows_RD.shape[0] == 0:
+            return rows_RD.new_zeros(rows_RD.shape) + 0.0 * rows_RD
+        if use_grouped_mm(self.config.expert_compute, rows_RD):
+            return self._grouped(rows_RD, counts_e)
+        return self._loop(rows_RD, counts_e)
+
+    def _loop(self, rows_RD: Tensor, counts_e: Tensor) -> Tensor:
+        # NOTE: device-to-host sync (segment sizes)
+        segments = torch.split(rows_RD, counts_e.tolist())
+        outs = [expert(seg) for expert, seg in zip(self.experts, segments) if seg.shape[0] > 0]
+        return torch.cat(outs) if outs else rows_RD.new_zeros(rows_RD.shape)
+
+    def _grouped(self, rows_RD: Tensor, counts_e: Tensor) -> Tensor:
+        dtype = rows_RD.dtype
+        offs_e = torch.cumsum(counts_e, 0).to(torch.int32)
+        slot_R = torch.repeat_interleave(torch.arange(len(self.experts), device=rows_RD.device), counts_e)
+        w_in_eDF = torch.stack([e.w_in.t() for e in self.experts]).to(dtype)
+        w_out_eFD = torch.stack([e.w_out.t() for e in self.experts]).to(dtype)
+        hidden_RF = _grouped_mm(rows_RD, w_in_eDF, offs_e)
+        if self.config.expert_bias:
+            hidden_RF = hidden_RF + torch.stack([e.b_in for e in self.experts]).to(dtype)[slot_R]
+        hidden_RF = ACTIVATION_FNS[self.config.activation](hidden_RF)
+        out_RD = _grouped_mm(hidden_RF, w_out_eFD, offs_e)
+        if self.config.expert_bias:
+            out_RD = out_RD + torch.stack([e.b_out for e in self.experts]).to(dtype)[slot_R]
+        return out_RD
+
+    # -- growing and shrinking for real: absent experts cost no memory and no compute -------------
+    def keep(self, local_slots: Sequence[int]) -> List[FeedForward]:
+        """Keep only the given slots (in that order); returns the experts that were dropped."""
+        kept = [self.experts[i] for i in local_slots]
+        dropped = [e for i, e in enumerate(self.experts) if i not in set(local_slots)]
+        self.experts = nn.ModuleList(kept)
+        return dropped
+
+    def set_experts(self, experts: Sequence[FeedForward]) -> None:
+        self.experts = nn.ModuleList(experts)
+
+
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _grouped_mm_supports(a_RK: Tensor, b_eKN: Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm") or a_RK.dtype not in GROUPED_MM_DTYPES:
+        return False
+    size = a_RK.element_size()
+    return (a_RK.shape[-1] * size) % 16 == 0 and (b_eKN.shape[-1] * size) % 16 == 0
+
+
+def _grouped_mm(a_RK: Tensor, b_eKN: Tensor, offs_e: Tensor) -> Tensor:
+    """torch._grouped_mm where it supports the operands; a segment loop elsewhere.
+
+    The kernel takes fp32/bf16/fp16 only, with row strides that are multiples of 16 bytes."""
+    if not _grouped_mm_supports(a_RK, b_eKN):
+        starts = [0] + offs_e.tolist()[:-1]  # NOTE: device-to-host sync
+        return torch.cat([a_RK[s:e] @ b_eKN[i] for i, (s, e) in enumerate(zip(starts, offs_e.tolist()))])
+    out_RN = torch._grouped_mm(a_RK, b_eKN, offs=offs_e)
+    if out_RN.requires_grad:
+        # The CPU backward of _grouped_mm rejects non-contiguous (e.g. expanded) gradients.
+        out_RN.register_hook(lambda grad: grad.contiguous())
+    return out_RN
+
+
+def reference_forward(experts: Sequence[FeedForward], rows_RD: Tensor, counts_e: Tensor) -> Tensor:
+    """Plain per-row loop: row r goes through the expert whose segment holds it. Tests only."""
+    slot_R = torch.repeat_interleave(torch.arange(len(experts)), counts_e.cpu())
+    outs = [experts[int(s)](rows_RD[r : r + 1]) for r, s in enumerate(slot_R)]
+    return torch.cat(outs) if outs else rows_RD.new_zeros(rows_RD.shape)

@@ -1,0 +1,159 @@
+"""MoELayer: router -> dispatcher (injected) -> experts -> combine.
+
+Shape legend: T tokens, D model dim, E experts (logical), e local experts, R routed rows.
+
+The layer is single-process math. Expert parallelism swaps in another dispatcher (and a statistics
+reducer for the auxiliary losses) from ``dynmoe_dist.parallel``; the layer's code does not change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Protocol, Tuple
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from . import losses
+from .config import MoEConfig
+from .experts import ExpertBank
+from .permute import combine_rows, gather_rows, routed_pairs
+from .routing import Routing, gate_dtype, top_any, top_k, top_p
+
+
+@dataclass
+class MoEOutput:
+    output: Tensor
+    """Same shape as the input."""
+    aux_loss: Tensor
+    """Scalar, already multiplied by ``aux_loss_weight`` (and, under data parallelism, by 1/world so
+    that the sum over ranks is the loss of the global batch)."""
+    routing: Routing
+
+
+class Dispatcher(Protocol):
+    def dispatch(self, x_TD: Tensor, routing: Routing) -> Tuple[Tensor, Tensor, object]: ...
+
+    def combine(self, rows_RD: Tensor, meta: object) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class LocalMeta:
+    token_R: Tensor
+    weight_R: Tensor
+    num_tokens: int
+
+
+class LocalDispatcher:
+    """All experts live in this process: permute, and combine with an index-add."""
+
+    def dispatch(self, x_TD: Tensor, routing: Routing):
+        pairs = routed_pairs(routing)
+        rows_RD = gather_rows(x_TD, pairs.token_R)
+        return rows_RD, pairs.counts_E, LocalMeta(pairs.token_R, pairs.weight_R, x_TD.shape[0])
+
+    def combine(self, rows_RD: Tensor, meta: LocalMeta) -> Tensor:
+        return combine_rows(rows_RD, meta.token_R, meta.weight_R, meta.num_tokens)
+
+
+class LocalReducer:
+    """Token statistics of the auxiliary losses summed over one process (identity)."""
+
+    loss_scale = 1.0
+
+    def sum(self, t: Tensor) -> Tensor:
+        return t
+
+
+class TopAnyRouter(nn.Module):
+    """DynMoE gate: gate vectors W (E x D, orthogonal init) and thresholds G (E, init 0)."""
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(nn.init.orthogonal_(torch.empty(config.num_experts, config.dim)))
+        self.threshold = nn.Parameter(torch.zeros(config.num_experts))
+
+    def forward(self, x_TD: Tensor, training: bool) -> Routing:
+        return top_any(x_TD, self.weight, self.threshold, training=training,
+                       train_k0=self.config.train_k0, eval_k0=self.config.eval_k0)
+
+    def resize(self, keep: List[int], new_weight_ND: Tensor) -> None:
+        """Keep the given experts (in that order) and append new gate vectors with threshold 0."""
+        with torch.no_grad():
+            weight = torch.cat([self.weight[keep], new_weight_ND.to(self.weight)])
+            threshold = torch.cat([self.threshold[keep], self.threshold.new_zeros(len(new_weight_ND))])
+        self.weight = nn.Parameter(weight)
+        self.threshold = nn.Parameter(threshold)
+
+
+class SoftmaxRouter(nn.Module):
+    """Linear router + softmax, selecting top-k or top-p (the baselines)."""
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.dim).normal_(0, config.init_std))
+
+    def forward(self, x_TD: Tensor, training: bool) -> Routing:
+        dtype = torch.promote_types(gate_dtype(x_TD), self.weight.dtype)
+        logits_TE = x_TD.to(dtype) @ self.weight.to(dtype).t()
+        if self.config.router == "top_k":
+            return top_k(logits_TE, self.config.top_k)
+        return top_p(logits_TE, self.config.top_p)
+
+    def resize(self, keep: List[int], new_weight_ND: Tensor) -> None:
+        with torch.no_grad():
+            weight = torch.cat([self.weight[keep], new_weight_ND.to(self.weight)])
+        self.weight = nn.Parameter(weight)
+
+
+RoutingObserver = Callable[["MoELayer", Tensor, Routing], None]
+
+
+class MoELayer(nn.Module):
+    def __init__(self, config: MoEConfig, experts: ExpertBank = None):
+        super().__init__()
+        self.config = config
+        self.router = TopAnyRouter(config) if config.router == "top_any" else SoftmaxRouter(config)
+        self.experts = experts if experts is not None else ExpertBank.fresh(config, config.num_experts)
+        self.dispatcher: Dispatcher = LocalDispatcher()
+        self.reducer = LocalReducer()
+        # Observers see every routing decision (the adaptive-expert recorder hooks in here).
+        self.routing_observers: List[RoutingObserver] = []
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.weight.shape[0]
+
+    def forward(self, x: Tensor) -> MoEOutput:
+        if x.shape[-1] != self.config.dim:
+            raise ValueError(f"input last dimension ({x.shape[-1]}) != dim ({self.config.dim})")
+        x_TD = x.reshape(-1, self.config.dim)
+        routing = self.router(x_TD, self.training)
+        rows_RD, counts_e, meta = self.dispatcher.dispatch(x_TD, routing)
+        rows_RD = self.experts(rows_RD, counts_e)
+        out_TD = self.dispatcher.combine(rows_RD, meta)
+        for observe in self.routing_observers:
+            observe(self, x_TD, routing)
+        return MoEOutput(out_TD.reshape(x.shape).to(x.dtype), self.aux_loss(routing), routing)
+
+    def aux_loss(self, routing: Routing) -> Tensor:
+        # Evaluation needs no aux loss, and skipping it saves the statistics collectives.
+        if not self.training or not self.config.aux_losses or self.config.aux_loss_weight == 0:
+            return routing.weights.new_zeros(())
+        terms = [self._aux_term(name, routing) for name in self.config.aux_losses]
+        return self.config.aux_loss_weight * self.reducer.loss_scale * torch.stack(terms).sum()
+
+    def _aux_term(self, name: str, routing: Routing) -> Tensor:
+        reduce_sum = self.reducer.sum
+        if name == "diverse":
+            return losses.diverse_loss(self.router.weight)
+        if name == "simple":
+            return losses.simple_loss(self.router.weight)
+        if name == "load_balance":
+            return losses.load_balance_loss(routing, reduce_sum)
+        if name == "efficiency":
+            return losses.efficiency_loss(routing, reduce_sum)
+        return losses.switch_loss(routing.probs, routing, reduce_sum)

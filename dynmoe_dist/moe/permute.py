@@ -1,0 +1,77 @@
+"""Sort-based permutation of routed (token, expert) pairs: no T x E x C tensor is ever built.
+
+Shape legend: T tokens, D model dim, E experts, R routed pairs (= sum_t k_t), S destination slots.
+  token_R   source token of each routed row      expert_R   its expert
+  weight_R  its combine weight                   slot_R     its destination slot (rank-major order)
+
+``routed_pairs`` lists the selected pairs in expert-major order straight from the mask (nonzero of
+the transposed mask is already sorted by expert, then token), so the single-process path needs no
+sort at all. Expert parallelism maps experts (and replicas) to destination slots and sorts by slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .routing import Routing
+
+
+@dataclass(frozen=True)
+class RoutedPairs:
+    token_R: Tensor
+    expert_R: Tensor
+    weight_R: Tensor
+    counts_E: Tensor
+    """Rows per expert (long, E)."""
+
+
+def routed_pairs(routing: Routing) -> RoutedPairs:
+    """All selected (token, expert) pairs, grouped by expert, tokens ascending within an expert."""
+    expert_R, token_R = routing.mask.t().nonzero(as_tuple=True)
+    weight_R = routing.weights[token_R, expert_R]
+    counts_E = routing.mask.sum(dim=0)
+    return RoutedPairs(token_R, expert_R, weight_R, counts_E)
+
+
+def gather_rows(x_TD: Tensor, token_R: Tensor) -> Tensor:
+    """rows_RD[r] = x_TD[token_R[r]] (autograd scatters the gradient back with index_add)."""
+    return x_TD.index_select(0, token_R)
+
+
+def combine_rows(rows_RD: Tensor, token_R: Tensor, weight_R: Tensor, num_tokens: int) -> Tensor:
+    """out_TD[t] = sum over rows r of token t of weight_R[r] * rows_RD[r]; tokens with no row get 0."""
+    weighted_RD = rows_RD * weight_R.unsqueeze(-1).to(rows_RD.dtype)
+    out_TD = rows_RD.new_zeros(num_tokens, rows_RD.shape[-1])
+    return out_TD.index_add(0, token_R, weighted_RD)
+
+
+def replica_index(counts_E: Tensor, expert_R: Tensor, num_replicas_E: Tensor) -> Tensor:
+    """Split each expert's rows (expert-major order) into contiguous, near-equal chunks, one per replica.
+
+    Row j of expert e (0-based within e's segment) goes to replica floor(j * n_e / count_e), so every
+    replica of every source rank gets within one row of the same share: deterministic and balanced.
+    """
+    starts_E = torch.cumsum(counts_E, 0) - counts_E
+    position_R = torch.arange(expert_R.numel(), device=expert_R.device) - starts_E[expert_R]
+    count_R = counts_E[expert_R].clamp(min=1)
+    return torch.div(position_R * num_replicas_E[expert_R], count_R, rounding_mode="floor")
+
+
+def sort_by_slot(slot_R: Tensor, num_slots: int):
+    """Stable argsort of rows by destination slot, plus rows per slot.
+
+    Returns (order_R, counts_S): rows_sorted = rows[order_R]; stability keeps each slot's rows in
+    expert-major, token-ascending order, which makes the layout deterministic.
+    """
+    order_R = torch.argsort(slot_R, stable=True)
+    counts_S = torch.bincount(slot_R, minlength=num_slots)
+    return order_R, counts_S
+
+
+def inverse_permutation(order_R: Tensor) -> Tensor:
+    inverse_R = torch.empty_like(order_R)
+    inverse_R[order_R] = torch.arange(order_R.numel(), device=order_R.device)
+    return inverse_R

@@ -1,0 +1,11 @@
+# Ray must keep 127.0.0.1 (not the machine's outward address): set before anything imports ray.
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+# Two cores: keep every test process single-threaded unless a test says otherwise.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)

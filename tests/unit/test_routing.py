@@ -1,0 +1,136 @@
+"""Hand-worked routing cases: expected masks and weights are written out in each test."""
+
+import math
+
+import pytest
+import torch
+
+from dynmoe_dist.moe.routing import top_any, top_k, top_p
+
+# Gate vectors: e0 points along +x, e1 along +y, e2 along -x.
+GATE = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])
+TOKENS = torch.tensor([
+    [1.0, 1.0],   # cos = [.707, .707, -.707]  -> selects e0, e1 (k=2)
+    [-1.0, 0.0],  # cos = [-1, 0, 1]           -> e1 has p == th exactly: not selected; e2 only (k=1)
+    [0.0, -1.0],  # cos = [0, -1, 0]           -> nothing (k=0)
+])
+
+
+def test_top_any_masks_and_equal_weights():
+    r = top_any(TOKENS, GATE, torch.zeros(3), training=True)
+    assert r.mask.tolist() == [[True, True, False], [False, False, True], [False, False, False]]
+    assert r.num_selected.tolist() == [2, 1, 0]
+    torch.testing.assert_close(r.weights, torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0], [0.0, 0.0, 0.0]]))
+
+
+def test_top_any_threshold_moves_selection():
+    # G = [1, -1, 0]: th = sigmoid(G); token 0 has cos .707 < 1 for e0 -> dropped; token 2 has cos -1 > -1? no.
+    r = top_any(TOKENS, GATE, torch.tensor([1.0, -1.0, 0.0]), training=True)
+    # token 0: e0 .707 < 1 (no), e1 .707 > -1 (yes), e2 -.707 < 0 (no)
+    # token 1: e0 -1 < 1, e1 0 > -1 (yes), e2 1 > 0 (yes)
+    # token 2: e0 0 < 1, e1 -1 == -1 (no: strict), e2 0 == 0 (no)
+    assert r.mask.tolist() == [[False, True, False], [False, True, True], [False, False, False]]
+    torch.testing.assert_close(r.weights[1], torch.tensor([0.0, 0.5, 0.5]))
+
+
+def test_top_any_eval_falls_back_to_top1_and_skip_option():
+    r = top_any(TOKENS, GATE, torch.zeros(3), training=False)
+    # token 2: p = sigmoid([0, -1, 0]) -> argmax picks the first maximum, e0, with weight 1.
+    assert r.mask[2].tolist() == [True, False, False]
+    assert r.weights[2].tolist() == [1.0, 0.0, 0.0]
+    assert r.num_selected.tolist() == [2, 1, 1]
+    skipped = top_any(TOKENS, GATE, torch.zeros(3), training=False, eval_k0="skip")
+    assert skipped.mask[2].tolist() == [False, False, False]
+    assert skipped.weights[2].abs().sum() == 0
+    trained = top_any(TOKENS, GATE, torch.zeros(3), training=True, train_k0="top1")
+    assert trained.mask[2].tolist() == [True, False, False]
+
+
+def test_only_selected_pairs_get_gradient():
+    gate = GATE.clone().requires_grad_()
+    threshold = torch.zeros(3, requires_grad=True)
+    x = TOKENS[:1].clone().requires_grad_()  # token 0 selects e0, e1
+    r = top_any(x, gate, threshold, training=True)
+    coeff = torch.tensor([[2.0, 3.0, 5.0]])
+    (r.weights * coeff).sum().backward()
+    assert gate.grad[2].abs().sum() == 0 and threshold.grad[2] == 0
+    assert gate.grad[0].abs().sum() > 0 and gate.grad[1].abs().sum() > 0
+    # dL/dG_e = -(c_e / k) * th (1 - th) with th = sigmoid(0) = 0.5, k = 2 (no gradient through k).
+    torch.testing.assert_close(threshold.grad, torch.tensor([-2.0 / 2 * 0.25, -3.0 / 2 * 0.25, 0.0]))
+
+
+def test_no_gradient_through_k():
+    # Two selected experts with equal coefficients: if k carried gradient the threshold grads would differ.
+    gate = GATE.clone().requires_grad_()
+    threshold = torch.zeros(3, requires_grad=True)
+    r = top_any(TOKENS[:1], gate, threshold, training=True)
+    r.weights.sum().backward()
+    torch.testing.assert_close(threshold.grad, torch.tensor([-0.125, -0.125, 0.0]))
+
+
+def test_gate_math_runs_in_fp32():
+    r = top_any(TOKENS.bfloat16(), GATE.bfloat16(), torch.zeros(3, dtype=torch.bfloat16), training=True)
+    assert r.probs.dtype == torch.float32 and r.weights.dtype == torch.float32
+
+
+def test_top_k_renormalises_kept_probabilities():
+    r = top_k(torch.tensor([[2.0, 1.0, 0.0, -1.0]]), 2)
+    assert r.mask.tolist() == [[True, True, False, False]]
+    p0, p1 = math.exp(2), math.exp(1)
+    torch.testing.assert_close(r.weights, torch.tensor([[p0 / (p0 + p1), p1 / (p0 + p1), 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("p, expected", [
+    (0.4, [True, False, False, False]),   # 0.5 alone already exceeds 0.4
+    (0.6, [True, True, False, False]),    # 0.5 does not exceed 0.6; 0.5 + 0.3 does: keep the crossing one
+    (0.85, [True, True, True, False]),    # 0.8 <= 0.85 < 0.95
+    (1.0, [True, True, True, True]),
+])
+def test_top_p_keeps_crossing_expert_with_raw_probs(p, expected):
+    probs = torch.tensor([[0.3, 0.5, 0.05, 0.15]])
+    r = top_p(probs.log(), p)
+    order = [1, 0, 3, 2]  # experts by descending probability
+    want = [False] * 4
+    for rank, keep in enumerate(expected):
+        want[order[rank]] = keep
+    assert r.mask[0].tolist() == want
+    torch.testing.assert_close(r.weights, probs * r.mask)
+
+
+def _top_p_reference(probs, p):
+    mask = torch.zeros_like(probs, dtype=torch.bool)
+    for t in range(probs.shape[0]):
+        mass = 0.0
+        for e in probs[t].argsort(descending=True).tolist():
+            mask[t, e] = True
+            mass += probs[t, e].item()
+            if mass > p:
+                break
+    return mask
+
+
+def _top_k_reference(probs, k):
+    mask = torch.zeros_like(probs, dtype=torch.bool)
+    for t in range(probs.shape[0]):
+        for e in probs[t].argsort(descending=True)[:k].tolist():
+            mask[t, e] = True
+    return mask
+
+
+def test_top_p_and_top_k_match_simple_references():
+    torch.manual_seed(0)
+    logits = torch.randn(200, 8, dtype=torch.float64) * 2
+    probs = torch.softmax(logits, -1)
+    for p in (0.1, 0.4, 0.7, 0.95):
+        assert torch.equal(top_p(logits, p).mask, _top_p_reference(probs, p))
+    for k in (1, 2, 5, 8):
+        r = top_k(logits, k)
+        assert torch.equal(r.mask, _top_k_reference(probs, k))
+        torch.testing.assert_close(r.weights.sum(-1), torch.ones(200, dtype=torch.float64))
+
+
+def test_bad_router_arguments():
+    with pytest.raises(ValueError, match=r"top_k \(5\)"):
+        top_k(torch.zeros(2, 4), 5)
+    with pytest.raises(ValueError, match=r"top_p \(0\.0\)"):
+        top_p(torch.zeros(2, 4), 0.0)
