@@ -1,0 +1,21 @@
+"""`python -m dynmoe_dist.bench NAME [options]`: benchmarks that print one JSON object each."""
+
+import importlib
+import sys
+
+BENCHMARKS = {
+    "layer": "dynmoe_dist.bench.layer",
+    "ep": "dynmoe_dist.bench.ep",
+    "adapt": "dynmoe_dist.bench.adapt",
+}
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in BENCHMARKS:
+        raise SystemExit(f"usage: python -m dynmoe_dist.bench {{{','.join(BENCHMARKS)}}} [options]")
+    importlib.import_module(BENCHMARKS[argv[0]]).main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""Run configuration: nested dataclasses, one docstring per field, validated in ``__post_init__``.
+
+A run file is TOML with one table per section (``[train]``, ``[moe]``, ...); ``--set section.key=value``
+overrides any field. Unknown sections or keys are errors that list the valid names.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import inspect
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from .moe.config import MoEConfig, _require
+
+EXPERT_INITS = ("reuse_discarded", "average", "weighted_average", "most_activated", "random")
+PRECISIONS = ("float32", "float64", "bf16")
+
+
+@dataclass
+class TaskConfig:
+    name: str = "synthetic"
+    """Built-in task: 'synthetic', 'minilm-sentiment', 'vit-mnist', or 'jsonl' (your own data)."""
+    path: str = ""
+    """JSONL file(s) for the 'jsonl' task: one {"text": ..., "label": ...} object per line."""
+    test_path: str = ""
+    """Optional held-out JSONL file for 'jsonl'; if empty, test_fraction of `path` is held out."""
+    test_fraction: float = 0.2
+    """Share of the data held out for evaluation when the task has no fixed test split."""
+    max_len: int = 32
+    """Maximum tokens per text sample (longer texts are truncated)."""
+    num_samples: int = 0
+    """Use only this many samples of the task's data (0 = all): quick runs and tests."""
+    seed: int = 1234
+    """Seed of the train/test split and of synthetic data (independent of the training seed)."""
+
+    def __post_init__(self):
+        _require(0.0 < self.test_fraction < 1.0, f"task.test_fraction ({self.test_fraction}) must be in (0, 1)")
+        _require(self.max_len >= 2, f"task.max_len ({self.max_len}) must be >= 2")
+        _require(self.num_samples >= 0, f"task.num_samples ({self.num_samples}) must be >= 0")
+
+
+@dataclass
+class ModelConfig:
+    dim: int = 64
+    """Model dimension (ignored by minilm-sentiment, which takes the pre-trained model's)."""
+    num_heads: int = 4
+    """Attention heads."""
+    num_layers: int = 2
+    """Transformer blocks (minilm-sentiment: how many of the pre-trained 6 layers to keep)."""
+    ffn_dim: int = 128
+    """Dense FFN / expert hidden dimension (ignored by minilm-sentiment)."""
+    moe_layers: List[int] = field(default_factory=lambda: [1])
+    """Indices of the blocks whose feed-forward block is an MoE layer."""
+    dropout: float = 0.0
+    """Dropout; keep 0 for runs that must match across world sizes (masks are drawn per rank)."""
+    patch_size: int = 4
+    """ViT patch size (vit-mnist)."""
+    freeze: List[str] = field(default_factory=list)
+    """Parameter-name prefixes to freeze (e.g. 'embeddings', 'layers.0')."""
+
+    def __post_init__(self):
+        _require(self.num_layers >= 1, f"model.num_layers ({self.num_layers}) must be >= 1")
+        _require(0.0 <= self.dropout < 1.0, f"model.dropout ({self.dropout}) must be in [0, 1)")
+        for i in self.moe_layers:
+            _require(0 <= i < self.num_layers,
+                     f"model.moe_layers entry ({i}) outside [0, num_layers ({self.num_layers}))")
+
+
+@dataclass
+class TrainConfig:
+    epochs: float = 2.0
+    """Training length in epochs over the train split (fractions allowed)."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps (0 = no limit beyond `epochs`)."""
+    global_batch_size: int = 32
+    """Samples per optimizer step over all ranks together (fixed: independent of world size)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (each micro-batch is global_batch_size / grad_accum)."""
+    lr: float = 1e-3
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = 0.01
+    """AdamW weight decay; never applied to norms, biases, gate vectors or thresholds."""
+    betas: Tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    warmup_steps: int = 10
+    """Linear warm-up steps before the cosine decay."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 = off)."""
+    eval_every: int = 0
+    """Evaluate on the held-out split every N steps (0 = only at the end)."""
+    seed: int = 0
+    """Seed of model init and data order: the same seed gives the same run on any world size."""
+    precision: str = "float32"
+    """'float32', 'float64' (exactness tests) or 'bf16' (autocast; gate math and master weights stay fp32)."""
+    log_every: int = 1
+    """Write a metrics.jsonl line every N steps."""
+
+    def __post_init__(self):
+        self.betas = tuple(self.betas)
+        _require(self.epochs > 0, f"train.epochs ({self.epochs}) must be > 0")
+        _require(self.global_batch_size >= 1, f"train.global_batch_size ({self.global_batch_size}) must be >= 1")
+        _require(self.grad_accum >= 1, f"train.grad_accum ({self.grad_accum}) must be >= 1")
+        _require(self.global_batch_size % self.grad_accum == 0,
+                 f"train.global_batch_size ({self.global_batch_size}) is not divisible by "
+                 f"train.grad_accum ({self.grad_accum})")
+        _require(self.lr > 0, f"train.lr ({self.lr}) must be > 0")
+        _require(self.precision in PRECISIONS, f"train.precision ({self.precision!r}) must be one of {PRECISIONS}")
+        _require(self.log_every >= 1, f"train.log_every ({self.log_every}) must be >= 1")
+
+
+@dataclass
+class ParallelConfig:
+    ep_size: int = 0
+    """Expert-parallel group size; must divide the world size. 0 = the whole world."""
+    backend: str = "auto"
+    """'auto' (nccl with CUDA, gloo otherwise), 'nccl' or 'gloo'."""
+    timeout_s: float = 120.0
+    """Timeout of every collective: a dead rank turns into an error naming the collective, not a hang."""
+    coordinator: str = "auto"
+    """Who plans adaptive events: 'auto' (Ray actor under Ray, collectives otherwise), 'collective', 'ray'."""
+    device: str = "auto"
+    """'auto' (cuda:local_rank when available), 'cpu' or 'cuda'."""
+
+    def __post_init__(self):
+        _require(self.ep_size >= 0, f"parallel.ep_size ({self.ep_size}) must be >= 0")
+        _require(self.backend in ("auto", "nccl", "gloo"), f"parallel.backend ({self.backend!r}) must be auto, nccl or gloo")
+        _require(self.timeout_s > 0, f"parallel.timeout_s ({self.timeout_s}) must be > 0")
+        _require(self.coordinator in ("auto", "collective", "ray"),
+                 f"parallel.coordinator ({self.coordinator!r}) must be auto, collective or ray")
+        _require(self.device in ("auto", "cpu", "cuda"), f"parallel.device ({self.device!r}) must be auto, cpu or cuda")
+
+
+@dataclass
+class AdaptiveConfig:
+    enabled: bool = True
+    """Add and remove experts during training (top_any layers only)."""
+    window_start: float = 1 / 3
+    """Recording window start, as a fraction of each epoch (counted in optimizer steps)."""
+    window_end: float = 2 / 3
+    """Recording window end (the adaptation event happens here), as a fraction of each epoch."""
+    period_steps: int = 0
+    """If > 0, ignore the epoch fractions: record over the last period_steps steps of every period."""
+    max_adds_per_event: int = 1
+    """Experts added per layer and event at most (when tokens found no expert)."""
+    expert_init: str = "reuse_discarded"
+    """New expert FFN weights: reuse_discarded, average, weighted_average, most_activated or random."""
+    rebalance: bool = True
+    """Re-place experts over expert-parallel ranks to minimise the largest per-rank load."""
+    replicate_factor: float = 2.0
+    """Replicate an expert whose load exceeds this multiple of the mean per-rank load (must be > 1)."""
+    max_replicas: int = 0
+    """Replicas per expert at most (0 = up to the ep size; 1 = replication off)."""
+
+    def __post_init__(self):
+        _require(0.0 <= self.window_start < self.window_end <= 1.0,
+                 f"adaptive window fractions ({self.window_start}, {self.window_end}) must satisfy "
+                 "0 <= window_start < window_end <= 1")
+        _require(self.period_steps >= 0, f"adaptive.period_steps ({self.period_steps}) must be >= 0")
+        _require(self.max_adds_per_event >= 0, f"adaptive.max_adds_per_event ({self.max_adds_per_event}) must be >= 0")
+        _require(self.expert_init in EXPERT_INITS,
+                 f"adaptive.expert_init ({self.expert_init!r}) must be one of {EXPERT_INITS}")
+        _require(self.replicate_factor > 1.0, f"adaptive.replicate_factor ({self.replicate_factor}) must be > 1")
+        _require(self.max_replicas >= 0, f"adaptive.max_replicas ({self.max_replicas}) must be >= 0")
+
+
+@dataclass
+class OutputConfig:
+    out_dir: str = "runs/latest"
+    """Where metrics.jsonl, TensorBoard events, checkpoints and report.png go."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    tensorboard: bool = True
+    """Write TensorBoard event files (needs the 'report' extra)."""
+    report: bool = True
+    """Draw report.png at the end (needs the 'report' extra)."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every N optimizer steps (0 = only at the end)."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept on disk (older ones are deleted after a new one is complete)."""
+    resume: str = ""
+    """'' (fresh start), 'auto' (newest complete checkpoint in out_dir, if any) or a checkpoint path."""
+
+
+@dataclass
+class FaultConfig:
+    crash_at_step: int = -1
+    """Fault injection for tests: raise on `crash_rank` after this optimizer step (-1 = off)."""
+    crash_rank: int = 0
+    """Rank that crashes when crash_at_step is set."""
+    crash_once_file: str = ""
+    """If set, crash only while this marker file does not exist (it is created at the crash)."""
+
+
+SECTIONS = {
+    "task": TaskConfig, "model": ModelConfig, "moe": MoEConfig, "train": TrainConfig,
+    "parallel": ParallelConfig, "adaptive": AdaptiveConfig, "output": OutputConfig, "fault": FaultConfig,
+}
+
+
+@dataclass
+class RunConfig:
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+
+    def to_dict(self) -> Dict[str, Dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    def digest(self) -> str:
+        """Hash of everything that must agree across ranks (the output section may differ)."""
+        payload = {k: v for k, v in self.to_dict().items() if k not in ("output", "fault")}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def to_toml(self) -> str:
+        lines = []
+        for name, values in self.to_dict().items():
+            lines.append(f"[{name}]")
+            lines += [f"{key} = {_toml_value(value)}" for key, value in values.items() if value is not None]
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(value)
+
+
+def field_docs(cls) -> Dict[str, str]:
+    """The docstring written under each dataclass field (parsed from the source)."""
+    tree = ast.parse(inspect.getsource(cls))
+    docs, body = {}, tree.body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
+                and isinstance(getattr(nxt, "value", None), ast.Constant) and isinstance(nxt.value.value, str):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _check_keys(section: str, values: Dict[str, Any]) -> None:
+    valid = [f.name for f in dataclasses.fields(SECTIONS[section])]
+    for key in values:
+        if key not in valid:
+            raise ValueError(f"unknown key {section}.{key}; valid keys of [{section}]: {', '.join(valid)}")
+
+
+def from_dict(data: Dict[str, Dict[str, Any]]) -> RunConfig:
+    sections = {}
+    for name, values in data.items():
+        if name not in SECTIONS:
+            raise ValueError(f"unknown section [{name}]; valid sections: {', '.join(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ValueError(f"section [{name}] must be a table, got {values!r}")
+        _check_keys(name, values)
+        sections[name] = SECTIONS[name](**values)
+    return RunConfig(**sections)
+
+
+def parse_override(text: str) -> Tuple[str, str, Any]:
+    """'section.key=value' -> (section, key, value); the value is read as TOML, else as a string."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ValueError(f"--set expects section.key=value, got {text!r}")
+    path, raw = text.split("=", 1)
+    section, key = path.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return section, key, value
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = None) -> RunConfig:
+    data: Dict[str, Dict[str, Any]] = {}
+    if path:
+        file = Path(path)
+        if not file.is_file():
+            raise ValueError(f"config file ({path}) does not exist")
+        data = tomllib.loads(file.read_text())
+    for text in overrides or []:
+        section, key, value = parse_override(text)
+        if section not in SECTIONS:
+            raise ValueError(f"unknown section [{section}] in --set {text}; valid sections: {', '.join(SECTIONS)}")
+        _check_keys(section, {key: value})
+        data.setdefault(section, {})[key] = value
+    return from_dict(data)
+
+
+def options_help() -> str:
+    """Every option with its default and meaning, for `dynmoe-train --help`."""
+    lines = []
+    for name, cls in SECTIONS.items():
+        lines.append(f"[{name}]")
+        docs, defaults = field_docs(cls), dataclasses.asdict(cls())
+        for f in dataclasses.fields(cls):
+            lines.append(f"  {name}.{f.name} = {defaults[f.name]!r}\n      {docs.get(f.name, '')}")
+    return "\n".join(lines)

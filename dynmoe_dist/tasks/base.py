@@ -1,0 +1,82 @@
+"""What the trainer needs from a task: indexed batches, a model, and a summed loss.
+
+Every sample is addressed by its index in a split, so any rank can build any slice of a global batch
+and the batch order does not depend on the world size. Losses are *sums* over items; the trainer
+divides by the item count of the global batch, which makes the gradient independent of how the batch
+was split over ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class Batch:
+    inputs: Dict[str, Tensor]
+    """Keyword arguments of the model's forward."""
+    targets: Tensor
+    """Class labels (B,)."""
+
+    def to(self, device) -> "Batch":
+        return Batch({k: v.to(device) for k, v in self.inputs.items()}, self.targets.to(device))
+
+    def __len__(self) -> int:
+        return self.targets.shape[0]
+
+
+class Task:
+    """A classification task held in memory as tensors, split into 'train' and 'test'."""
+
+    name = "task"
+
+    def __init__(self, splits: Dict[str, Dict[str, Tensor]], num_classes: int):
+        self.splits = splits
+        self.num_classes = num_classes
+        for split, tensors in splits.items():
+            if "targets" not in tensors:
+                raise ValueError(f"split {split!r} has no 'targets'")
+
+    def size(self, split: str) -> int:
+        return self.splits[split]["targets"].shape[0]
+
+    def batch(self, split: str, indices: Tensor) -> Batch:
+        tensors = self.splits[split]
+        inputs = {k: v.index_select(0, indices) for k, v in tensors.items() if k != "targets"}
+        return Batch(inputs, tensors["targets"].index_select(0, indices))
+
+    def count_items(self, split: str, indices: Tensor) -> int:
+        """Loss items in these samples (one per sample for classification)."""
+        return int(indices.numel())
+
+    def loss_terms(self, logits: Tensor, targets: Tensor) -> Tuple[Tensor, int]:
+        """(summed cross-entropy in fp32, number of correct predictions)."""
+        loss_sum = F.cross_entropy(logits.float(), targets, reduction="sum")
+        correct = int((logits.detach().argmax(-1) == targets).sum())  # NOTE: device-to-host sync
+        return loss_sum, correct
+
+    def build_model(self, run_config) -> nn.Module:
+        raise NotImplementedError(f"task {self.name!r} must build its model")
+
+
+TASKS: Dict[str, Callable[..., Task]] = {}
+
+
+def register(name: str):
+    def wrap(factory):
+        TASKS[name] = factory
+        return factory
+    return wrap
+
+
+def split_indices(n: int, test_fraction: float, seed: int) -> Tuple[Tensor, Tensor]:
+    """A seeded shuffle of 0..n-1 cut into (train, test)."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    num_test = max(1, int(round(n * test_fraction)))
+    return order[num_test:], order[:num_test]
