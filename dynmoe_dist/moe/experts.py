@@ -53,6 +53,12 @@ def new_expert(config: MoEConfig) -> FeedForward:
                      activation=config.activation, init_std=config.init_std)
 
 
+def expert_param_shapes(config: MoEConfig) -> List[torch.Size]:
+    """Shapes of one expert's parameters, in parameters() order (built on the meta device)."""
+    with torch.device("meta"):
+        return [p.shape for p in new_expert(config).parameters()]
+
+
 def use_grouped_mm(mode: str, rows_RD: Tensor) -> bool:
     """'auto' picks torch._grouped_mm on CUDA in bf16, where it is a real fused kernel; on CPU a
     per-expert loop runs the same matmuls at the same speed without stacking the weights."""

@@ -112,6 +112,11 @@ class SoftmaxRouter(nn.Module):
 RoutingObserver = Callable[["MoELayer", Tensor, Routing], None]
 
 
+def find_moe_layers(model: nn.Module) -> List[Tuple[str, "MoELayer"]]:
+    """(qualified name, layer) of every MoE layer, in module order: the layer index used everywhere."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
+
+
 class MoELayer(nn.Module):
     def __init__(self, config: MoEConfig, experts: ExpertBank = None):
         super().__init__()
@@ -120,6 +125,9 @@ class MoELayer(nn.Module):
         self.experts = experts if experts is not None else ExpertBank.fresh(config, config.num_experts)
         self.dispatcher: Dispatcher = LocalDispatcher()
         self.reducer = LocalReducer()
+        # Where the logical experts live (a planning.Placement); set by dynmoe_dist.parallel.
+        # None means every expert is local, in logical-id order.
+        self.placement = None
         # Observers see every routing decision (the adaptive-expert recorder hooks in here).
         self.routing_observers: List[RoutingObserver] = []
 
