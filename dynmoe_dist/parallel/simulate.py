@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 from datetime import timedelta
@@ -40,7 +41,9 @@ def _rank_main(fn, args, rank, world_size, port, collective_timeout_s, env, queu
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=collective_timeout_s))
-        queue.put((rank, "ok", fn(*args)))
+        # Plain pickle (not the queue's ForkingPickler): torch would otherwise share tensors through file
+        # descriptors that die with this process if it exits before the parent reads them.
+        queue.put((rank, "ok", pickle.dumps(fn(*args))))
     except BaseException:  # report everything, including SystemExit from a CLI entry point
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -88,5 +91,5 @@ def _collect(queue, procs, world_size: int, timeout_s: float) -> List[Any]:
             continue
         if status == "error":
             raise SimulationError(f"rank {rank} failed:\n{payload}")
-        results[rank] = payload
+        results[rank] = pickle.loads(payload)
     return [results[r] for r in range(world_size)]

@@ -56,8 +56,9 @@ class Task:
         return int(indices.numel())
 
     def loss_terms(self, logits: Tensor, targets: Tensor) -> Tuple[Tensor, int]:
-        """(summed cross-entropy in fp32, number of correct predictions)."""
-        loss_sum = F.cross_entropy(logits.float(), targets, reduction="sum")
+        """(summed cross-entropy in at least fp32, number of correct predictions)."""
+        loss_sum = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets,
+                                   reduction="sum")
         correct = int((logits.detach().argmax(-1) == targets).sum())  # NOTE: device-to-host sync
         return loss_sum, correct
 

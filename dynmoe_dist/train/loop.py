@@ -1,0 +1,182 @@
+"""The training loop, readable top to bottom: build -> parallelize -> steps (-> adapt) -> evaluate.
+
+World-size invariance: every rank builds the full model from the same seed, takes its contiguous
+share of each deterministic global micro-batch, divides its summed loss by the item count of the
+*global* micro-batch, and gradients are summed. The same config and seed therefore give the same
+per-step loss on any number of ranks and any ep size (up to floating-point summation order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import RunConfig
+from ..moe.layer import MoELayer, find_moe_layers
+from ..parallel.expert_parallel import parallelize
+from ..parallel.grads import GradSync
+from ..parallel.groups import ParallelGroups, check_same_everywhere, init_groups, named, resolve_ep_size, world_from_env
+from ..tasks import build_task
+from .data import BatchSchedule, shard
+from .optim import build_optimizer, set_lr
+from .recorder import attach_recorders
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bf16": torch.float32}
+
+
+@dataclass
+class StepTotals:
+    """What one rank contributes to a step's metrics (summed over ranks with one all-reduce)."""
+
+    loss_sum: float = 0.0
+    correct: float = 0.0
+    items: float = 0.0
+    aux: float = 0.0
+
+
+class Trainer:
+    def __init__(self, config: RunConfig):
+        self.config = config
+        self.world_size = dist.get_world_size() if dist.is_initialized() else world_from_env()
+        # Everything checkable without communication is checked before the first collective.
+        self.task = build_task(config.task)
+        self.schedule = BatchSchedule(self.task.size("train"), config.train.global_batch_size,
+                                      config.train.grad_accum, config.train.epochs, config.train.max_steps,
+                                      config.train.seed)
+        self.schedule.check_world(self.world_size)
+        torch.manual_seed(config.train.seed)
+        self.model = self.task.build_model(config)
+        self.moe_layers: List[MoELayer] = [layer for _, layer in find_moe_layers(self.model)]
+        self._check_experts_fit(resolve_ep_size(config.parallel.ep_size, self.world_size))
+        self.groups: ParallelGroups = init_groups(config.parallel)
+        check_same_everywhere(config.digest(), self.groups, "config hash")
+        self.model.to(self.groups.device, DTYPES[config.train.precision])
+        self.placements = parallelize(self.model, self.groups)
+        self.optimizer = build_optimizer(self.model, config.train)
+        self.grad_sync = GradSync(self.model, self.groups)
+        self.recorders = attach_recorders(self.moe_layers)
+        self.step = 0
+        self.is_rank0 = self.groups.rank == 0
+        self.adaptive = None  # set by train.adaptive.attach_adaptive when enabled
+        self.telemetry = None
+
+    def _check_experts_fit(self, ep_size: int) -> None:
+        for index, layer in enumerate(self.moe_layers):
+            if layer.num_experts < ep_size:
+                raise ValueError(f"MoE layer {index}: num_experts ({layer.num_experts}) < ep_size ({ep_size})")
+
+    # -- one optimizer step ------------------------------------------------------------------------
+    def autocast(self):
+        if self.config.train.precision == "bf16":
+            return torch.autocast(self.groups.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def local_batch(self, split: str, indices: torch.Tensor):
+        batch = self.task.batch(split, shard(indices, self.groups.rank, self.world_size)).to(self.groups.device)
+        dtype = DTYPES[self.config.train.precision]
+        batch.inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.inputs.items()}
+        return batch
+
+    def forward_backward(self, indices: torch.Tensor, totals: StepTotals) -> None:
+        accum = self.config.train.grad_accum
+        items_global = self.task.count_items("train", indices)
+        batch = self.local_batch("train", indices)
+        with self.autocast():
+            out = self.model(**batch.inputs)
+        loss_sum, correct = self.task.loss_terms(out.logits, batch.targets)
+        loss = loss_sum / items_global / accum + out.aux_loss / accum
+        loss.backward()
+        totals.loss_sum += float(loss_sum.detach()) / items_global / accum
+        totals.correct += correct
+        totals.items += len(batch)
+        totals.aux += float(out.aux_loss.detach()) / accum
+
+    def train_step(self) -> Dict:
+        started = time.perf_counter()
+        self.model.train()
+        for recorder in self.recorders:
+            recorder.reset_step()
+        totals = StepTotals()
+        for micro in range(self.config.train.grad_accum):
+            self.forward_backward(self.schedule.micro_indices(self.step, micro), totals)
+        self.grad_sync.sync()
+        grad_norm = self.grad_sync.clip(self.config.train.grad_clip) if self.config.train.grad_clip > 0 else None
+        lr = set_lr(self.optimizer, self.step, self.config.train, self.schedule.total_steps)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        record = self._step_record(totals, time.perf_counter() - started, lr)
+        if grad_norm is not None:
+            record["grad_norm"] = grad_norm
+        return record
+
+    # -- metrics -----------------------------------------------------------------------------------
+    def _sum_over_ranks(self, vector: torch.Tensor, what: str) -> torch.Tensor:
+        if self.groups.distributed:
+            with named(what, self.groups):
+                dist.all_reduce(vector)
+        return vector
+
+    def _step_record(self, totals: StepTotals, seconds: float, lr: float) -> Dict:
+        head = torch.tensor([totals.loss_sum, totals.correct, totals.items, totals.aux], dtype=torch.float64)
+        summed = self._sum_over_ranks(torch.cat([head] + [r.step_vector() for r in self.recorders]),
+                                      "step metrics all_reduce").tolist()
+        task_loss, correct, items, aux = summed[:4]
+        record = {"kind": "step", "step": self.step, "epoch": self.step / self.schedule.steps_per_epoch,
+                  "loss": task_loss + aux, "task_loss": task_loss, "aux_loss": aux,
+                  "accuracy": correct / max(items, 1), "lr": lr, "step_s": seconds,
+                  "samples_per_s": items / seconds}
+        record.update(self._layer_metrics(summed[4:], seconds, items))
+        return record
+
+    def _layer_metrics(self, flat: List[float], seconds: float, items: float) -> Dict:
+        num_experts, mean_k, loads, rank_loads, replicas = [], [], [], [], []
+        offset, tokens = 0, items
+        for index, layer in enumerate(self.moe_layers):
+            e = layer.num_experts
+            layer_tokens, k_sum, counts = flat[offset], flat[offset + 1], flat[offset + 2: offset + 2 + e]
+            offset += 2 + e
+            tokens = layer_tokens if index == 0 else tokens
+            num_experts.append(e)
+            mean_k.append(k_sum / max(layer_tokens, 1))
+            loads.append([int(c) for c in counts])
+            rank_loads.append(rank_load(layer, counts, self.groups.ep_size))
+            replicas.append(0 if layer.placement is None else layer.placement.num_slots - e)
+        return {"tokens_per_s": tokens / seconds, "num_experts": num_experts, "mean_k": mean_k,
+                "expert_load": loads, "rank_load": rank_loads, "num_replicas": replicas}
+
+    # -- evaluation --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> Dict:
+        """Loss and accuracy on the whole test split, sharded over ranks like training batches."""
+        self.model.eval()
+        size, chunk = self.task.size("test"), self.config.train.global_batch_size
+        loss_sum = correct = 0.0
+        for start in range(0, size, chunk):
+            batch = self.local_batch("test", torch.arange(start, min(size, start + chunk)))
+            with self.autocast():
+                out = self.model(**batch.inputs)
+            batch_loss, batch_correct = self.task.loss_terms(out.logits, batch.targets)
+            loss_sum += float(batch_loss)
+            correct += batch_correct
+        summed = self._sum_over_ranks(torch.tensor([loss_sum, correct], dtype=torch.float64), "eval all_reduce")
+        self.model.train()
+        items = self.task.count_items("test", torch.arange(size))
+        return {"test_loss": float(summed[0]) / items, "test_accuracy": float(summed[1]) / size}
+
+
+def rank_load(layer: MoELayer, counts: List[float], ep_size: int) -> List[float]:
+    """Rows each ep rank computes: its experts' rows, a replicated expert's rows shared evenly."""
+    load = [0.0] * ep_size
+    if layer.placement is None:
+        return [float(sum(counts))]
+    for expert, slots in enumerate(layer.placement.replicas):
+        for rank, _ in slots:
+            load[rank] += counts[expert] / len(slots)
+    return load
