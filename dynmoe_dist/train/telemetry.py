@@ -1,0 +1,338 @@
+"""Run telemetry: ``metrics.jsonl`` (the record of truth), TensorBoard scalars and a progress bar.
+
+Every record is a flat JSON object with a ``kind`` and the optimizer ``step`` it belongs to:
+
+- ``step``: training scalars plus per-MoE-layer lists (``num_experts``, ``mean_k``, ``num_replicas``)
+  and per-layer nested lists (``expert_load`` rows per expert, ``rank_load`` rows per EP rank);
+- ``eval``: test scalars; ``event``: one adaptive change of one layer; ``final``: end-of-run scalars.
+
+Only rank 0 writes files; every other rank gets a ``Telemetry`` that does nothing, so the trainer
+calls it unconditionally. The JSON lines file is flushed per line so that a crashed run keeps every
+record it finished writing; the report (``report.py``) is drawn from that file alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from numbers import Integral, Real
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+RECORD_KINDS = ("step", "eval", "event", "final")
+PER_LAYER_LISTS = ("num_experts", "mean_k", "num_replicas", "expert_load", "rank_load")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Records
+
+
+def check_record(record: Dict[str, Any]) -> None:
+    """Reject records the report could not place: wrong kind, no step, per-layer lists of other lengths."""
+    kind = record.get("kind")
+    if kind not in RECORD_KINDS:
+        raise ValueError(f"record kind ({kind!r}) is not one of {RECORD_KINDS}")
+    step = record.get("step")
+    if not isinstance(step, Integral) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"record step ({step!r}) must be an int >= 0 (kind {kind!r})")
+    if kind == "step":
+        _check_layer_lists(record)
+
+
+def _check_layer_lists(record: Dict[str, Any]) -> None:
+    num_experts = record.get("num_experts", [])
+    for field in PER_LAYER_LISTS:
+        value = record.get(field)
+        if value is not None and len(value) != len(num_experts):
+            raise ValueError(
+                f"step {record['step']}: len({field}) ({len(value)}) != number of MoE layers "
+                f"({len(num_experts)}, from num_experts)")
+    for layer, loads in enumerate(record.get("expert_load") or []):
+        if len(loads) != num_experts[layer]:
+            raise ValueError(
+                f"step {record['step']}: len(expert_load[{layer}]) ({len(loads)}) != "
+                f"num_experts[{layer}] ({num_experts[layer]})")
+
+
+def _to_json(value: Any) -> Any:
+    """json.dumps fallback: the trainer may hand over numpy or torch scalars and arrays."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"metrics value of type {type(value).__name__} is not JSON serialisable")
+
+
+def plain_record(record: Dict[str, Any]) -> Dict[str, Any]:
+    """The record with numpy / torch values turned into Python numbers and lists (a JSON round trip:
+    microseconds for a step record), so every sink sees exactly what metrics.jsonl will hold."""
+    return json.loads(json.dumps(record, default=_to_json))
+
+
+class MetricsWriter:
+    """Appends records to ``out_dir/metrics.jsonl``, one flushed JSON line each.
+
+    Opening an existing file (a resumed run) first cuts off a torn last line left by a crash, so the
+    next record starts on a line of its own instead of gluing itself onto half a record.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike):
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        self.path = Path(out_dir) / METRICS_FILE
+        _drop_torn_tail(self.path)
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def write(self, record: Dict[str, Any]) -> None:
+        check_record(record)
+        # NaN / inf losses are written as NaN / Infinity (Python's json reads them back); a diverged run
+        # must still be recorded rather than crash the logger.
+        self._file.write(json.dumps(record, default=_to_json) + "\n")
+        # Flush to the OS per line: a killed process loses nothing already written. No fsync per line
+        # (it would cost a disk round trip every step); close() syncs once.
+        self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _drop_torn_tail(path: Path) -> None:
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as file:
+        data = file.read()
+        if data.endswith(b"\n"):
+            return
+        file.truncate(data.rfind(b"\n") + 1)
+
+
+def read_metrics(path: str | os.PathLike) -> List[Dict[str, Any]]:
+    """All records of a metrics file, in order. A torn last line (a crash mid-write) is skipped;
+    an unreadable line anywhere else means the file is damaged and raises ValueError."""
+    lines = Path(path).read_text(encoding="utf-8").split("\n")
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):  # no newline after it: the write never finished
+                break
+            raise ValueError(f"{path}: line {number} is not JSON ({err.msg}): {line[:80]!r}") from err
+    return records
+
+
+# ----------------------------------------------------------------------------------------------------
+# TensorBoard
+
+
+def _summary_writer_class():
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as err:
+        raise ImportError(
+            "TensorBoard logging needs the 'tensorboard' package: pip install 'dynmoe_dist[report]' "
+            "(or turn it off: tensorboard = false in the run config, Telemetry(..., tensorboard=False))"
+        ) from err
+    return SummaryWriter
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def scalar_tags(record: Dict[str, Any]) -> Dict[str, float]:
+    """TensorBoard tag -> value for every numeric scalar of a record.
+
+    Step records: top-level numbers under ``train/``, per-layer lists under ``moe/layer{i}/{field}``,
+    and ``rank_load`` reduced to ``moe/layer{i}/rank_load_max_over_mean`` (the load of the busiest EP
+    rank over the mean: the straggler ratio that replication is meant to bring down).
+    Eval / final records: ``eval/{field}`` / ``final/{field}``. Events: ``event/layer{i}/{field}``.
+    """
+    kind = record["kind"]
+    prefix = {"step": "train", "event": f"event/layer{record.get('layer', 0)}"}.get(kind, kind)
+    tags = {f"{prefix}/{field}": float(value) for field, value in record.items()
+            if field not in ("step", "layer") and _is_number(value)}
+    if kind != "step":
+        return tags  # per-layer lists exist only in step records (an event's `removed` is expert ids)
+    for field, values in record.items():
+        if isinstance(values, list) and all(_is_number(v) for v in values):
+            tags.update({f"moe/layer{i}/{field}": float(v) for i, v in enumerate(values)})
+    for layer, loads in enumerate(record.get("rank_load") or []):
+        tags[f"moe/layer{layer}/rank_load_max_over_mean"] = _max_over_mean(loads)
+    return tags
+
+
+def _max_over_mean(values: List[float]) -> float:
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean > 0 else math.nan
+
+
+class TensorBoardWriter:
+    """Scalars of step / eval / final records and the text of adaptive events, under
+    ``out_dir/tensorboard``. Raises ImportError naming the 'report' extra if tensorboard is absent."""
+
+    def __init__(self, out_dir: str | os.PathLike):
+        self.log_dir = Path(out_dir) / TENSORBOARD_DIR
+        self._writer = _summary_writer_class()(log_dir=str(self.log_dir))
+
+    def write(self, record: Dict[str, Any]) -> None:
+        step = record["step"]
+        for tag, value in scalar_tags(record).items():
+            self._writer.add_scalar(tag, value, global_step=step)
+        if record["kind"] == "event":
+            self._writer.add_text(f"events/layer{record.get('layer', 0)}", describe_event(record), step)
+
+    def close(self) -> None:
+        self._writer.flush()
+        self._writer.close()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Console
+
+
+def describe_event(record: Dict[str, Any]) -> str:
+    """One line for an adaptive event, e.g. 'step 33 layer 0: removed [3]; added 7 (reuse_discarded);
+    2 moves; replicas {2: 2}; imbalance 1.80 -> 1.10; 8 experts'."""
+    parts = []
+    if record.get("removed"):
+        parts.append(f"removed {list(record['removed'])}")
+    if record.get("added"):
+        added = ", ".join(f"{a.get('expert')} ({a.get('init', '?')})" for a in record["added"])
+        parts.append(f"added {added}")
+    if record.get("moves"):
+        parts.append(f"{record['moves']} moves")
+    if record.get("replicas"):
+        parts.append("replicas {" + ", ".join(f"{e}: {n}" for e, n in record["replicas"].items()) + "}")
+    if "imbalance_before" in record and "imbalance_after" in record:
+        parts.append(f"imbalance {record['imbalance_before']:.2f} -> {record['imbalance_after']:.2f}")
+    if "num_experts" in record:
+        parts.append(f"{record['num_experts']} experts")
+    body = "; ".join(parts) if parts else "no change"
+    return f"step {record['step']} layer {record.get('layer', '?')}: {body}"
+
+
+def describe_scores(record: Dict[str, Any]) -> str:
+    """'eval step 20: test_loss 1.1000, test_accuracy 0.6100' for eval and final records."""
+    scores = ", ".join(f"{k} {v:.4f}" for k, v in record.items()
+                       if _is_number(v) and k not in ("step", "epoch"))
+    return f"{record['kind']} step {record['step']}: {scores}"
+
+
+def progress_postfix(record: Dict[str, Any]) -> str:
+    """'loss 1.230 acc 0.500 tok/s 1.2k k 2.00 experts 8/7'; fields the record lacks are left out."""
+    parts = []
+    if _is_number(record.get("loss")):
+        parts.append(f"loss {record['loss']:.3f}")
+    if _is_number(record.get("accuracy")):
+        parts.append(f"acc {record['accuracy']:.3f}")
+    if _is_number(record.get("tokens_per_s")):
+        parts.append(f"tok/s {_short_number(record['tokens_per_s'])}")
+    if record.get("mean_k"):
+        parts.append(f"k {sum(record['mean_k']) / len(record['mean_k']):.2f}")
+    if record.get("num_experts"):
+        parts.append("experts " + "/".join(str(n) for n in record["num_experts"]))
+    return " ".join(parts)
+
+
+def _short_number(value: float) -> str:
+    for threshold, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= threshold:
+            return f"{value / threshold:.1f}{suffix}"
+    return f"{value:.0f}"
+
+
+class ProgressBar:
+    """A tqdm bar over optimizer steps; ``enabled=False`` (ranks other than 0) prints nothing at all."""
+
+    def __init__(self, total_steps: int, enabled: bool = True, initial_step: int = 0):
+        if total_steps < 0:
+            raise ValueError(f"total_steps ({total_steps}) must be >= 0")
+        self.enabled = enabled
+        self._bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            # Redrawn in place on a terminal; in a log file (Ray job logs, nohup) every redraw is
+            # appended, so redraw only every 30 s there.
+            interactive = sys.stderr.isatty()
+            self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True,
+                             mininterval=0.1 if interactive else 30.0)
+
+    def update(self, record: Dict[str, Any]) -> None:
+        """Move the bar to the record's step (records may come every log_every steps) and show its scores."""
+        if self._bar is None:
+            return
+        # `step` counts optimizer steps done; clamp so a miscounted last step never overruns the bar.
+        self._bar.update(max(0, min(record["step"], self._bar.total) - self._bar.n))
+        self._bar.set_postfix_str(progress_postfix(record), refresh=True)
+
+    def write(self, message: str) -> None:
+        if self._bar is not None:
+            self._bar.write(message)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Facade
+
+
+class Telemetry:
+    """What the trainer calls: ``log(record)`` on every rank, ``close()`` at the end.
+
+    On rank 0 a record goes to metrics.jsonl and TensorBoard; step records move the progress bar and
+    event / eval / final records are printed above it. Elsewhere every call is a no-op.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, total_steps: int, rank0: bool,
+                 progress: bool = True, tensorboard: bool = True, initial_step: int = 0):
+        self.rank0 = rank0
+        # TensorBoard first: a missing package fails before any file is opened or bar drawn.
+        self.tensorboard: Optional[TensorBoardWriter] = TensorBoardWriter(out_dir) if rank0 and tensorboard else None
+        self.metrics: Optional[MetricsWriter] = MetricsWriter(out_dir) if rank0 else None
+        self.progress = ProgressBar(total_steps, enabled=rank0 and progress, initial_step=initial_step)
+
+    def log(self, record: Dict[str, Any]) -> None:
+        if not self.rank0:
+            return
+        record = plain_record(record)
+        self.metrics.write(record)  # validates the record before anything else sees it
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
+        if record["kind"] == "step":
+            self.progress.update(record)
+        elif record["kind"] == "event":
+            self.progress.write(describe_event(record))
+        else:
+            self.progress.write(describe_scores(record))
+
+    def close(self) -> None:
+        self.progress.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.metrics is not None:
+            self.metrics.close()
+
+    def __enter__(self) -> "Telemetry":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
