@@ -43,6 +43,21 @@ class Placement:
         return cls(ep_size, tuple(replicas))
 
     @classmethod
+    def default(cls, num_experts: int, ep_size: int) -> "Placement":
+        """Balanced when there are at least as many experts as ranks; otherwise one expert per rank on
+        the first ranks and the rest empty (removals can leave fewer experts than ranks)."""
+        if num_experts >= ep_size:
+            return cls.balanced(num_experts, ep_size)
+        return cls(ep_size, tuple(((e, 0),) for e in range(num_experts)))
+
+    def to_lists(self):
+        return {"ep_size": self.ep_size, "replicas": [[list(s) for s in slots] for slots in self.replicas]}
+
+    @classmethod
+    def from_lists(cls, data) -> "Placement":
+        return cls(int(data["ep_size"]), tuple(tuple(tuple(s) for s in slots) for slots in data["replicas"]))
+
+    @classmethod
     def from_rank_lists(cls, ep_size: int, num_experts: int, experts_per_rank: Sequence[Sequence[int]]):
         """Build from what each rank holds, in slot order: experts_per_rank[r] = [e, ...]."""
         replicas: List[List[Slot]] = [[] for _ in range(num_experts)]

@@ -39,7 +39,7 @@ class LayerRecorder:
         self.counts_E += mask_TE.sum(dim=0).double().cpu()
         if self.window is not None:
             # The window counts selections before any k = 0 fallback: gates > 0.
-            self.window.add_tokens(routing.gates.detach() > 0, x_TD)
+            self.window.add_tokens(routing.gates.detach() > 0, routing.probs, x_TD)
 
     def step_vector(self) -> Tensor:
         return torch.cat([torch.tensor([self.tokens, self.k_sum], dtype=torch.float64), self.counts_E])

@@ -1,0 +1,90 @@
+"""Coordinators: ranks submit window statistics and receive the same versioned Plan.
+
+Both implementations call the one pure planner (``planning.planner.plan``):
+  - ``CollectiveCoordinator`` (torchrun, simulated clusters): statistics are summed over every rank
+    with one all-reduce, rank 0 plans, the plan is broadcast, and every rank checks its digest;
+  - ``RayCoordinator`` (``dynmoe_dist.cluster``): a named Ray actor merges what the workers push.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Protocol, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .parallel.groups import ParallelGroups, named
+from .planning.placement import Placement
+from .planning.planner import Plan, PlannerConfig, plan
+from .planning.stats import WindowStats
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything the planner needs besides the statistics; identical on every rank."""
+
+    version: int
+    step: int
+    placements: Tuple[Placement, ...]
+    configs: Tuple[PlannerConfig, ...]
+    has_discarded: Tuple[bool, ...]
+    dims: Tuple[int, ...]
+    load_history: Optional[Tuple[Tuple[float, ...], ...]] = None
+
+    def make_plan(self, stats: Sequence[WindowStats], planned_by: str) -> Plan:
+        return plan(stats, self.placements, self.configs, version=self.version, step=self.step,
+                    has_discarded=self.has_discarded, load_history=self.load_history, planned_by=planned_by)
+
+
+class Coordinator(Protocol):
+    name: str
+
+    def submit(self, request: PlanRequest, local_stats: List[WindowStats]) -> Plan: ...
+
+
+class PlanMismatch(RuntimeError):
+    pass
+
+
+def verify_plan(plan_: Plan, digest: str, request: PlanRequest, rank: int) -> Plan:
+    """Every rank checks the plan before applying it: right version, intact contents."""
+    if plan_.version != request.version:
+        raise PlanMismatch(f"rank {rank}: plan version {plan_.version} != requested {request.version}")
+    if plan_.digest() != digest:
+        raise PlanMismatch(f"rank {rank}: plan digest {plan_.digest()} != announced {digest}")
+    return plan_
+
+
+def flatten_stats(stats: Sequence[WindowStats]) -> torch.Tensor:
+    return torch.cat([s.to_flat() for s in stats]) if stats else torch.zeros(0, dtype=torch.float64)
+
+
+def unflatten_stats(flat: torch.Tensor, request: PlanRequest, like: Sequence[WindowStats]) -> List[WindowStats]:
+    out, offset = [], 0
+    for s, placement, dim in zip(like, request.placements, request.dims):
+        size = s.to_flat().numel()
+        out.append(WindowStats.from_flat(flat[offset:offset + size], placement.num_experts, dim))
+        offset += size
+    return out
+
+
+class CollectiveCoordinator:
+    name = "collective"
+
+    def __init__(self, groups: ParallelGroups):
+        self.groups = groups
+
+    def submit(self, request: PlanRequest, local_stats: List[WindowStats]) -> Plan:
+        flat = flatten_stats(local_stats)
+        if self.groups.distributed:
+            with named("window statistics all_reduce", self.groups):
+                dist.all_reduce(flat)
+        payload: List = [None, None]
+        if self.groups.rank == 0:
+            plan_ = request.make_plan(unflatten_stats(flat, request, local_stats), self.name)
+            payload = [plan_, plan_.digest()]
+        if self.groups.distributed:
+            with named("plan broadcast", self.groups):
+                dist.broadcast_object_list(payload, src=0)
+        return verify_plan(payload[0], payload[1], request, self.groups.rank)

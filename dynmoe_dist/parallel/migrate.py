@@ -1,0 +1,195 @@
+"""Apply a Plan at a step boundary, identically on every rank.
+
+Per MoE layer, in this order (the same on every rank, so collectives line up):
+  1. new expert weights that are combinations of existing experts (and the copy of the expert being
+     discarded, kept for a later 'reuse_discarded') are formed with ONE all-reduce over the ep group:
+     each expert contributes once, from its first holder;
+  2. experts that must appear on a rank that does not hold them are sent point-to-point, with their
+     optimizer state (Adam's exp_avg, exp_avg_sq and step travel bit for bit);
+  3. the bank is rebuilt in the new slot order: experts that stay keep their parameter objects (and so
+     their optimizer state); added experts start with fresh state; the router drops and appends rows,
+     its optimizer moments sliced and padded with zeros to match.
+Every ep group of a dp x ep world does this in parallel on its own ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..moe.experts import FeedForward, expert_param_shapes, new_expert
+from ..moe.layer import MoELayer
+from ..planning.planner import AddSpec, LayerPlan
+from .expert_parallel import install_placement
+from .groups import ParallelGroups, named
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def _scalar_dtype() -> torch.dtype:
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+# -- 1. linear combinations of experts -------------------------------------------------------------
+def combine_experts(combos: Sequence[Sequence[Tuple[int, float]]], layer: MoELayer, groups: ParallelGroups,
+                    local: Dict[int, FeedForward]) -> List[List[Tensor]]:
+    """For each combo [(old id, coefficient)], the parameter list sum_e c_e * params(e), on every ep rank."""
+    if not combos:
+        return []
+    shapes = expert_param_shapes(layer.config)
+    template = layer.router.weight
+    dtype = next(iter(local.values())).w_in.dtype if local else template.dtype
+    sizes = [s.numel() for s in shapes]
+    flat = torch.zeros(len(combos), sum(sizes), dtype=dtype, device=template.device)
+    for row, combo in enumerate(combos):
+        for expert, coeff in combo:
+            if expert in local and min(layer.placement.holders(expert)) == groups.ep_rank:
+                flat[row] += coeff * torch.cat([p.detach().reshape(-1) for p in local[expert].parameters()])
+    if groups.ep_size > 1:
+        with named("expert combination all_reduce (ep group)", groups):
+            dist.all_reduce(flat, group=groups.ep_group)
+    return [[part.reshape(shape).clone() for part, shape in zip(row.split(sizes), shapes)] for row in flat]
+
+
+def expert_with(params: Sequence[Tensor], config) -> FeedForward:
+    module = new_expert(config).to(device=params[0].device, dtype=params[0].dtype)
+    with torch.no_grad():
+        for p, value in zip(module.parameters(), params):
+            p.copy_(value)
+    return module
+
+
+def random_expert(config, seed: int, like: Tensor) -> FeedForward:
+    """A freshly initialised expert, identical on every rank (seeded by the plan)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        module = new_expert(config)
+    return module.to(device=like.device, dtype=like.dtype)
+
+
+# -- 2. point-to-point moves with optimizer state ----------------------------------------------------
+def send_expert(module: FeedForward, optimizer, dst: int, groups: ParallelGroups) -> None:
+    with named(f"expert send to rank {dst}", groups):
+        for p in module.parameters():
+            dist.send(p.detach().contiguous(), dst)
+            state = optimizer.state.get(p, {})
+            keys = [k for k in STATE_KEYS if k in state]
+            dist.send(torch.tensor([1 if state else 0, len(keys)], dtype=torch.long), dst)
+            if state:
+                dist.send(torch.tensor([float(state["step"])], dtype=torch.float64), dst)
+                dist.send(torch.tensor([STATE_KEYS.index(k) for k in keys], dtype=torch.long), dst)
+                for k in keys:
+                    dist.send(state[k].contiguous(), dst)
+
+
+def recv_expert(config, like: Tensor, optimizer, src: int, groups: ParallelGroups) -> FeedForward:
+    module = new_expert(config).to(device=like.device, dtype=like.dtype)
+    with named(f"expert receive from rank {src}", groups), torch.no_grad():
+        for p in module.parameters():
+            dist.recv(p.data, src)
+            header = torch.zeros(2, dtype=torch.long)
+            dist.recv(header, src)
+            if int(header[0]):
+                optimizer.state[p] = _recv_state(p, int(header[1]), src)
+    return module
+
+
+def _recv_state(p: Tensor, num_keys: int, src: int) -> Dict[str, Tensor]:
+    step = torch.zeros(1, dtype=torch.float64)
+    dist.recv(step, src)
+    key_ids = torch.zeros(num_keys, dtype=torch.long)
+    dist.recv(key_ids, src)
+    state = {"step": torch.tensor(float(step), dtype=_scalar_dtype())}
+    for key_id in key_ids.tolist():
+        buffer = torch.empty_like(p)
+        dist.recv(buffer, src)
+        state[STATE_KEYS[key_id]] = buffer
+    return state
+
+
+def transfers(lp: LayerPlan, old_placement) -> List[Tuple[int, int, int]]:
+    """(new id, source ep rank, destination ep rank) for every kept expert landing on a new rank."""
+    moves = []
+    for new_id, old_id in enumerate(lp.kept):
+        holders = old_placement.holders(old_id)
+        for dst in lp.placement.holders(new_id):
+            if dst not in holders:
+                moves.append((new_id, min(holders), dst))
+    return moves
+
+
+# -- 3. the layer as a whole -------------------------------------------------------------------------
+def apply_layer_plan(lp: LayerPlan, layer: MoELayer, optimizer, groups: ParallelGroups,
+                     discarded: Optional[List[Tensor]], name: str = "moe") -> Optional[List[Tensor]]:
+    """Rebuild `layer` as the plan says; returns the (possibly updated) remembered discarded expert."""
+    old_placement = layer.placement
+    local = dict(zip(old_placement.experts_on(groups.ep_rank), layer.experts.experts))
+    combos = [spec.coeffs for spec in lp.added if spec.source == "experts"]
+    if lp.remember_discarded is not None:
+        combos.append(((lp.remember_discarded, 1.0),))
+    combined = combine_experts(combos, layer, groups, local)
+    if lp.remember_discarded is not None:
+        discarded = combined.pop()
+    received = _move_experts(lp, old_placement, layer, local, optimizer, groups)
+    like = layer.router.weight if not local else next(iter(local.values())).w_in
+    added = _added_experts(lp.added, combined, discarded, layer.config, like)
+    experts = []
+    for new_id in lp.placement.experts_on(groups.ep_rank):
+        if new_id < len(lp.kept):
+            old_id = lp.kept[new_id]
+            experts.append(local[old_id] if old_id in local else received[new_id])
+        else:
+            experts.append(copy.deepcopy(added[new_id - len(lp.kept)]))
+    layer.experts.set_experts(experts)
+    resize_router(layer, lp, optimizer)
+    install_placement(layer, lp.placement, groups, name)
+    return discarded
+
+
+def _move_experts(lp, old_placement, layer, local, optimizer, groups) -> Dict[int, FeedForward]:
+    received = {}
+    like = layer.router.weight if not local else next(iter(local.values())).w_in
+    for new_id, src, dst in transfers(lp, old_placement):
+        if groups.ep_rank == src:
+            send_expert(local[lp.kept[new_id]], optimizer, groups.global_rank(dst), groups)
+        elif groups.ep_rank == dst:
+            received[new_id] = recv_expert(layer.config, like, optimizer, groups.global_rank(src), groups)
+    return received
+
+
+def _added_experts(specs: Sequence[AddSpec], combined, discarded, config, like) -> List[FeedForward]:
+    combined = list(combined)
+    experts = []
+    for spec in specs:
+        if spec.source == "experts":
+            experts.append(expert_with(combined.pop(0), config))
+        elif spec.source == "discarded" and discarded is not None:
+            experts.append(expert_with(discarded, config))
+        else:
+            experts.append(random_expert(config, spec.seed, like))
+    return experts
+
+
+def resize_router(layer: MoELayer, lp: LayerPlan, optimizer) -> None:
+    """Drop removed gate rows, append new ones; slice the router's Adam moments the same way."""
+    old = dict(layer.router.named_parameters())
+    states = {name: optimizer.state.pop(p, None) for name, p in old.items()}
+    gates = torch.tensor([spec.gate for spec in lp.added], dtype=torch.float64).reshape(
+        len(lp.added), layer.config.dim)
+    layer.router.resize(list(lp.kept), gates)
+    kept = torch.tensor(lp.kept, dtype=torch.long)
+    for name, p in layer.router.named_parameters():
+        state = states.get(name)
+        if not state:
+            continue
+        new_state = {"step": state["step"].clone()}
+        for key in STATE_KEYS:
+            if key in state:
+                moment = state[key].index_select(0, kept.to(state[key].device))
+                pad = moment.new_zeros((len(lp.added),) + tuple(moment.shape[1:]))
+                new_state[key] = torch.cat([moment, pad])
+        optimizer.state[p] = new_state

@@ -1,0 +1,186 @@
+"""plan(): the one pure, deterministic function that decides every adaptive change.
+
+Given the window statistics summed over *all* ranks, the current placements and the config, it
+returns a ``Plan``: per MoE layer, which experts to remove (zero activations in the window), which to
+add (tokens found no expert) and how to initialise them, and where every expert and replica lives
+next. Every rank applies the same Plan (its digest is checked first), so expert sets never diverge.
+
+Expert ids are positions: after an event the kept experts are renumbered 0..n-1 in their old order
+and added experts follow. ``LayerPlan.kept[new_id]`` is the old id of a kept expert.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from .packing import pack_experts, rank_loads
+from .placement import Placement
+from .stats import WindowStats
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    min_experts: int
+    max_experts: int
+    max_adds_per_event: int = 1
+    expert_init: str = "reuse_discarded"
+    rebalance: bool = True
+    replicate_factor: float = 1.5
+    max_replicas: int = 0
+    adapt_experts: bool = True
+    """False for top-k/top-p layers: only re-placement and replication apply."""
+
+
+@dataclass(frozen=True)
+class AddSpec:
+    init: str
+    """Strategy used (a fallback is spelled 'reuse_discarded->average')."""
+    gate: Tuple[float, ...]
+    """New gate vector: the normalised sum of the unrouted hidden states; threshold 0."""
+    source: str
+    """'experts' (linear combination of old experts), 'discarded' (the remembered expert) or 'random'."""
+    coeffs: Tuple[Tuple[int, float], ...] = ()
+    """(old expert id, coefficient) pairs when source == 'experts'."""
+    seed: int = 0
+    """Generator seed when source == 'random'."""
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    layer: int
+    removed: Tuple[int, ...]
+    kept: Tuple[int, ...]
+    added: Tuple[AddSpec, ...]
+    placement: Placement
+    remember_discarded: Optional[int]
+    """Old id of the expert to remember for later 'reuse_discarded' adds (the last one removed)."""
+    moves: int
+    imbalance_before: float
+    imbalance_after: float
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.kept) + len(self.added)
+
+    def changes_experts(self) -> bool:
+        return bool(self.removed or self.added)
+
+
+@dataclass(frozen=True)
+class Plan:
+    version: int
+    step: int
+    layers: Tuple[LayerPlan, ...]
+    planned_by: str = "collective"
+
+    def digest(self) -> str:
+        return hashlib.sha256(repr((self.version, self.step, self.layers)).encode()).hexdigest()[:16]
+
+
+def plan(stats: Sequence[WindowStats], placements: Sequence[Placement], configs: Sequence[PlannerConfig], *,
+         version: int, step: int, has_discarded: Sequence[bool], load_history: Optional[Sequence] = None,
+         planned_by: str = "collective") -> Plan:
+    if not len(stats) == len(placements) == len(configs) == len(has_discarded):
+        raise ValueError(f"plan inputs disagree on the number of layers: stats {len(stats)}, placements "
+                         f"{len(placements)}, configs {len(configs)}, has_discarded {len(has_discarded)}")
+    layers = []
+    for i, (s, p, c, d) in enumerate(zip(stats, placements, configs, has_discarded)):
+        history = None if load_history is None else load_history[i]
+        layers.append(plan_layer(i, s, p, c, d, history, seed=version * 1000 + i))
+    return Plan(version, step, tuple(layers), planned_by)
+
+
+def plan_layer(index: int, stats: WindowStats, placement: Placement, cfg: PlannerConfig, has_discarded: bool,
+               history=None, seed: int = 0) -> LayerPlan:
+    counts = [float(c) for c in stats.counts_E]
+    if len(counts) != placement.num_experts:
+        raise ValueError(f"layer {index}: statistics for {len(counts)} experts, placement has {placement.num_experts}")
+    removed = choose_removals(counts, cfg) if cfg.adapt_experts else []
+    kept = [e for e in range(len(counts)) if e not in set(removed)]
+    added = choose_additions(stats, counts, kept, removed, cfg, has_discarded, seed) if cfg.adapt_experts else []
+    loads = estimated_loads(counts, kept, added, stats, history)
+    homes = [placement.holders(old) for old in kept] + [[] for _ in added]
+    new_placement, moves = pack_experts(loads, homes, placement.ep_size, rebalance=cfg.rebalance,
+                                        replicate_factor=cfg.replicate_factor, max_replicas=cfg.max_replicas)
+    before = imbalance(rank_loads(placement, counts))
+    after = imbalance(rank_loads(new_placement, loads))
+    return LayerPlan(index, tuple(removed), tuple(kept), tuple(added), new_placement,
+                     max(removed) if removed else None, moves, before, after)
+
+
+def choose_removals(counts: List[float], cfg: PlannerConfig) -> List[int]:
+    """Every expert with zero activations, lowest ids first, never going below min_experts."""
+    unused = [e for e, c in enumerate(counts) if c == 0]
+    return unused[: max(0, len(counts) - cfg.min_experts)]
+
+
+def choose_additions(stats: WindowStats, counts: List[float], kept: List[int], removed: List[int],
+                     cfg: PlannerConfig, has_discarded: bool, seed: int) -> List[AddSpec]:
+    room = cfg.max_experts - len(kept)
+    num_adds = min(cfg.max_adds_per_event, room) if stats.num_unrouted > 0 else 0
+    gates = new_gates(stats, num_adds)
+    return [_add_spec(cfg.expert_init, counts, kept, removed, has_discarded, gate, seed * 16 + i)
+            for i, gate in enumerate(gates)]
+
+
+def _add_spec(strategy, counts, kept, removed, has_discarded, gate, seed) -> AddSpec:
+    name, source, coeffs = init_strategy(strategy, counts, kept, removed, has_discarded)
+    return AddSpec(name, gate, source, coeffs, seed)
+
+
+def new_gates(stats: WindowStats, num_adds: int) -> List[Tuple[float, ...]]:
+    """One add: the normalised sum of all unrouted states (the reference). Several: one per nearest-expert
+    neighbourhood, the most crowded first, so the new experts point in different directions."""
+    if num_adds <= 0:
+        return []
+    if num_adds == 1:
+        sums = [stats.unrouted_sum_D]
+    else:
+        order = sorted(range(len(stats.num_unrouted_E)), key=lambda e: (-float(stats.num_unrouted_E[e]), e))
+        sums = [stats.unrouted_sum_ED[e] for e in order if stats.num_unrouted_E[e] > 0][:num_adds]
+    return [tuple((s / s.norm().clamp(min=1e-12)).tolist()) for s in sums]
+
+
+def init_strategy(strategy: str, counts: List[float], kept: List[int], removed: List[int], has_discarded: bool):
+    """(name as logged, source, coefficients over old expert ids) for the FFN weights of a new expert."""
+    if strategy == "reuse_discarded":
+        if removed:
+            return strategy, "experts", ((max(removed), 1.0),)
+        if has_discarded:
+            return strategy, "discarded", ()
+        name, source, coeffs = init_strategy("average", counts, kept, removed, has_discarded)
+        return f"{strategy}->{name}", source, coeffs
+    if strategy == "random" or not kept:
+        return "random", "random", ()
+    if strategy == "average":
+        return strategy, "experts", tuple((e, 1.0 / len(kept)) for e in kept)
+    if strategy == "weighted_average":
+        total = sum(counts[e] for e in kept)
+        if total == 0:
+            return init_strategy("average", counts, kept, removed, has_discarded)
+        return strategy, "experts", tuple((e, counts[e] / total) for e in kept if counts[e] > 0)
+    if strategy == "most_activated":
+        best = min(kept, key=lambda e: (-counts[e], e))
+        return strategy, "experts", ((best, 1.0),)
+    raise ValueError(f"adaptive.expert_init ({strategy!r}) is not a known strategy")
+
+
+def estimated_loads(counts, kept, added, stats: WindowStats, history=None) -> List[float]:
+    """Rows each expert of the new set will take: its window count (averaged with the history when given);
+    a new expert is expected to take the unrouted tokens, shared among the new experts."""
+    loads = [counts[e] for e in kept]
+    if history is not None:
+        loads = [0.5 * (c + float(history[e])) for c, e in zip(loads, kept)]
+    share = stats.num_unrouted / len(added) if added else 0.0
+    return loads + [share] * len(added)
+
+
+def imbalance(loads: Sequence[float]) -> float:
+    """max / mean of per-rank loads (1.0 is perfect balance)."""
+    mean = sum(loads) / max(len(loads), 1)
+    return max(loads) / mean if mean > 0 else 1.0

@@ -1,0 +1,89 @@
+"""run(config): the whole job — build, resume, train with adaptive events, evaluate, report."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Dict, Optional
+
+from ..config import RunConfig
+from ..coordination import CollectiveCoordinator
+from ..parallel.groups import barrier
+from .adaptive import AdaptiveController
+from .loop import Trainer
+from .telemetry import Telemetry
+
+
+def make_coordinator(trainer: Trainer):
+    """'auto' picks the Ray actor when this process runs inside a Ray job, collectives otherwise."""
+    choice = trainer.config.parallel.coordinator
+    if choice == "ray" or (choice == "auto" and running_under_ray()):
+        from ..cluster.coordinator import RayCoordinator  # needs the 'ray' extra
+        return RayCoordinator.for_job(trainer.groups)
+    return CollectiveCoordinator(trainer.groups)
+
+
+def running_under_ray() -> bool:
+    if "RAY_ADDRESS" not in os.environ and "RAY_JOB_ID" not in os.environ:
+        return False
+    try:
+        import ray  # noqa: F401  (imported only to ask whether this process is a Ray worker)
+    except ImportError:
+        return False
+    return ray.is_initialized()
+
+
+def maybe_crash(config: RunConfig, trainer: Trainer) -> None:
+    """Fault injection for tests: die abruptly (no cleanup, like a lost machine) after a given step."""
+    fault = config.fault
+    if fault.crash_at_step < 0 or trainer.step != fault.crash_at_step or trainer.groups.rank != fault.crash_rank:
+        return
+    if fault.crash_once_file:
+        marker = Path(fault.crash_once_file)
+        if marker.exists():
+            return
+        marker.write_text(f"crashed at step {trainer.step}\n")
+    os._exit(17)
+
+
+def run(config: RunConfig, trainer: Optional[Trainer] = None) -> Dict:
+    started = time.perf_counter()
+    trainer = trainer or Trainer(config)
+    from .checkpoint import CheckpointManager
+    checkpoints = CheckpointManager(trainer)
+    adaptive = AdaptiveController(trainer, make_coordinator(trainer)) if config.adaptive.enabled else None
+    trainer.adaptive = adaptive
+    checkpoints.resume(config.output.resume)
+    total = trainer.schedule.total_steps
+    out = config.output
+    with Telemetry(out.out_dir, total, rank0=trainer.is_rank0, progress=out.progress,
+                   tensorboard=out.tensorboard, initial_step=trainer.step) as telemetry:
+        while trainer.step < total:
+            step_index = trainer.step
+            if adaptive:
+                adaptive.before_step(step_index)
+            record = trainer.train_step()
+            if step_index % config.train.log_every == 0 or trainer.step == total:
+                telemetry.log(record)
+            for event in adaptive.after_step(step_index) if adaptive else []:
+                telemetry.log(event)
+            if config.train.eval_every and trainer.step % config.train.eval_every == 0 and trainer.step < total:
+                telemetry.log({"kind": "eval", "step": trainer.step, "epoch": record["epoch"], **trainer.evaluate()})
+            if out.checkpoint_every and trainer.step % out.checkpoint_every == 0:
+                checkpoints.save()
+            maybe_crash(config, trainer)
+        final = {"kind": "final", "step": trainer.step, "epoch": trainer.step / trainer.schedule.steps_per_epoch,
+                 **trainer.evaluate(), "wall_s": time.perf_counter() - started,
+                 "num_experts": [layer.num_experts for layer in trainer.moe_layers]}
+        telemetry.log(final)
+    checkpoints.save()
+    if trainer.is_rank0 and out.report:
+        final["report"] = str(draw_run_report(Path(out.out_dir)))
+    barrier(trainer.groups, "end of run")
+    return final
+
+
+def draw_run_report(out_dir: Path) -> Optional[Path]:
+    from .report import draw_report
+    return draw_report(out_dir / "metrics.jsonl", out_dir / "report.png")
