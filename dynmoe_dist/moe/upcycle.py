@@ -53,7 +53,9 @@ def upcycled_layer(dense: FeedForward, config: MoEConfig) -> MoELayer:
     layer_config = replace(config, dim=dense.w_in.shape[1], ffn_dim=dense.w_in.shape[0],
                            activation=dense.activation, expert_bias=dense.b_in is not None)
     experts = ExpertBank(layer_config, [copy.deepcopy(dense) for _ in range(layer_config.num_experts)])
-    return MoELayer(layer_config, experts).to(dense.w_in.device)
+    # A fresh module starts in training mode; upcycling a model in eval mode must not leave this one
+    # layer training (k = 0 tokens would get output 0 instead of the top-1 fallback).
+    return MoELayer(layer_config, experts).to(dense.w_in.device).train(dense.training)
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

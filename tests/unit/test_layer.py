@@ -52,6 +52,12 @@ def test_upcycled_identical_experts_compute_dense_block(router):
     assert out.output[k == 0].abs().sum() == 0  # training: k = 0 rides the residual
 
 
+def test_upcycle_keeps_eval_mode():
+    model = torch.nn.Sequential(FeedForward(8, 16), FeedForward(8, 16)).eval()
+    upcycle(model, MoEConfig(num_experts=2), layers=[1])
+    assert not model[1].training and not any(m.training for m in model[1].modules())
+
+
 def test_upcycle_chooses_layers_and_rejects_bad_index():
     model = torch.nn.Sequential(FeedForward(8, 16), FeedForward(8, 16), FeedForward(8, 16))
     upcycle(model, MoEConfig(num_experts=2), layers=[2])

@@ -1,0 +1,172 @@
+"""Text classification on pre-trained MiniLM: 'minilm-sentiment' (Rotten Tomatoes) and 'jsonl' (yours).
+
+Shape legend: N samples, L max_len tokens.
+
+Both tasks tokenise every text once when the task is built (tensors in memory, addressed by index, as
+tasks/base.py requires) and share one model: all-MiniLM-L6-v2 cut to ``model.num_layers`` layers, the
+FFNs of ``model.moe_layers`` upcycled into DynMoE layers with ``run_config.moe``, parameters under the
+``model.freeze`` prefixes frozen, a fresh linear head on the mean-pooled tokens.
+"""
+
+from __future__ import annotations
+
+import bz2
+import csv
+import json
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ..models.bert import BertClassifier, BertTokenizer, load_bert
+from ..moe import upcycle
+from . import assets
+from .base import Task, register
+from .common import class_ids, freeze_parameters, split_pool, subset_indices
+
+ROTTEN_TOMATOES_CLASSES = ("rotten", "fresh")  # class id = position: 1 = fresh (positive review)
+
+
+class TextTask(Task):
+    """Tokenised texts with class ids; ``class_names[i]`` is the label of class id i."""
+
+    name = "text"
+
+    def __init__(self, splits: Dict[str, Dict[str, Tensor]], class_names: Sequence):
+        super().__init__(splits, len(class_names))
+        self.class_names = list(class_names)
+
+    def build_model(self, run_config):
+        return build_minilm_classifier(run_config, self.num_classes)
+
+
+def build_minilm_classifier(run_config, num_classes: int) -> BertClassifier:
+    """MiniLM (first model.num_layers layers) + head; upcycle model.moe_layers; freeze model.freeze."""
+    m = run_config.model
+    bert = load_bert(num_layers=m.num_layers, dropout=m.dropout)
+    model = BertClassifier(bert, num_classes)
+    if m.moe_layers:
+        # dim and ffn_dim come from the pre-trained block; upcycle overrides them per layer.
+        upcycle(model, run_config.moe, layers=list(m.moe_layers))
+    freeze_parameters(model, m.freeze)
+    return model
+
+
+def tokenise(texts: List[str], max_len: int) -> Dict[str, Tensor]:
+    return BertTokenizer(max_len)(texts)
+
+
+def make_pool(texts: List[str], targets_N: Tensor, max_len: int) -> Dict[str, Tensor]:
+    return {**tokenise(texts, max_len), "targets": targets_N}
+
+
+# -- Rotten Tomatoes ------------------------------------------------------------------------------
+
+def load_rotten_tomatoes(path: Optional[Path] = None) -> Tuple[List[str], List[int]]:
+    """Review snippets and labels (0 rotten, 1 fresh); the corpus' 'plot' summaries are left out."""
+    path = Path(path) if path is not None else assets.rotten_tomatoes_path()
+    texts, labels = [], []
+    with bz2.open(path, "rt", encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is None or not {"category", "text"} <= set(reader.fieldnames):
+            raise ValueError(f"{path}: expected columns 'category' and 'text', found {reader.fieldnames}")
+        for row in reader:
+            if row["category"] in ROTTEN_TOMATOES_CLASSES:
+                texts.append(row["text"])
+                labels.append(ROTTEN_TOMATOES_CLASSES.index(row["category"]))
+    if not texts:
+        raise ValueError(f"{path}: no rows with category in {ROTTEN_TOMATOES_CLASSES}")
+    return texts, labels
+
+
+def build_sentiment(task_config) -> TextTask:
+    texts, labels = load_rotten_tomatoes()
+    keep_N = subset_indices(len(texts), task_config.num_samples, task_config.seed)
+    texts = [texts[i] for i in keep_N.tolist()]
+    targets_N = torch.tensor(labels, dtype=torch.long)[keep_N]
+    pool = make_pool(texts, targets_N, task_config.max_len)
+    return TextTask(split_pool(pool, task_config.test_fraction, task_config.seed), ROTTEN_TOMATOES_CLASSES)
+
+
+@register("minilm-sentiment")
+def _sentiment(task_config) -> TextTask:
+    task = build_sentiment(task_config)
+    task.name = "minilm-sentiment"
+    return task
+
+
+# -- your own data: JSONL -------------------------------------------------------------------------
+
+def parse_jsonl_line(line: str, where: str) -> Tuple[str, object]:
+    """One line -> (text, raw label); ``where`` ('file:line') prefixes every error."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected an object {{\"text\": ..., \"label\": ...}}, got {type(record).__name__}")
+    for key in ("text", "label"):
+        if key not in record:
+            raise ValueError(f"{where}: missing key {key!r} (keys: {sorted(record)})")
+    text, label = record["text"], record["label"]
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{where}: 'text' must be a non-empty string, got {text!r:.60}")
+    # bool is an int subclass in Python; true/false labels are almost surely a mistake, say so.
+    if isinstance(label, bool) or not isinstance(label, (str, int)):
+        raise ValueError(f"{where}: 'label' must be a string or an integer, got {label!r:.60}")
+    return text, label
+
+
+def read_jsonl(path: Path, field: str = "task.path") -> Tuple[List[str], List]:
+    """Texts and raw labels of a JSONL file; blank lines are skipped, line numbers start at 1."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{field} ({str(path)!r}) is not a file")
+    texts, labels = [], []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if line.strip():
+                text, label = parse_jsonl_line(line, f"{path}:{number}")
+                texts.append(text)
+                labels.append(label)
+    if not texts:
+        raise ValueError(f"{path}: no samples (the file is empty)")
+    return texts, labels
+
+
+def to_targets(labels: List, mapping: Dict, path: Path) -> Tensor:
+    unknown = sorted({repr(label) for label in labels if label not in mapping})
+    if unknown:
+        raise ValueError(f"{path}: labels {unknown[:8]} do not occur in the training data "
+                         f"(classes {list(mapping)})")
+    return torch.tensor([mapping[label] for label in labels], dtype=torch.long)
+
+
+def limited(texts: List[str], labels: List, num_samples: int, seed: int) -> Tuple[List[str], List]:
+    keep = subset_indices(len(texts), num_samples, seed).tolist()
+    return [texts[i] for i in keep], [labels[i] for i in keep]
+
+
+def build_jsonl(task_config) -> TextTask:
+    """task.path (and task.test_path, if set) -> TextTask; num_samples limits each file on its own."""
+    if not task_config.path:
+        raise ValueError("task.path ('') must name a JSONL file for task 'jsonl'")
+    path = Path(task_config.path)
+    texts, labels = limited(*read_jsonl(path), task_config.num_samples, task_config.seed)
+    names, mapping = class_ids(labels, str(path))
+    pool = make_pool(texts, to_targets(labels, mapping, path), task_config.max_len)
+    if not task_config.test_path:
+        return TextTask(split_pool(pool, task_config.test_fraction, task_config.seed), names)
+    test_file = Path(task_config.test_path)
+    test_texts, test_labels = limited(*read_jsonl(test_file, "task.test_path"), task_config.num_samples,
+                                      task_config.seed)
+    test = make_pool(test_texts, to_targets(test_labels, mapping, test_file), task_config.max_len)
+    return TextTask({"train": pool, "test": test}, names)
+
+
+@register("jsonl")
+def _jsonl(task_config) -> TextTask:
+    task = build_jsonl(task_config)
+    task.name = "jsonl"
+    return task
