@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 from ..config import RunConfig
 from ..coordination import CollectiveCoordinator
@@ -15,23 +15,16 @@ from .loop import Trainer
 from .telemetry import Telemetry
 
 
-def make_coordinator(trainer: Trainer):
-    """'auto' picks the Ray actor when this process runs inside a Ray job, collectives otherwise."""
+def make_coordinator(trainer: Trainer, factory: Optional[Callable] = None):
+    """The Ray entry point (dynmoe_dist.cluster) injects a factory for its actor-backed coordinator;
+    'auto' means that one when given, collectives otherwise. train/ never imports Ray itself."""
     choice = trainer.config.parallel.coordinator
-    if choice == "ray" or (choice == "auto" and running_under_ray()):
-        from ..cluster.coordinator import RayCoordinator  # needs the 'ray' extra
-        return RayCoordinator.for_job(trainer.groups)
+    if factory is not None and choice in ("auto", "ray"):
+        return factory(trainer.groups)
+    if choice == "ray":
+        raise ValueError("parallel.coordinator ('ray') needs the Ray job entry point: "
+                         "python -m dynmoe_dist.cluster.submit (see docs/multinode.md)")
     return CollectiveCoordinator(trainer.groups)
-
-
-def running_under_ray() -> bool:
-    if "RAY_ADDRESS" not in os.environ and "RAY_JOB_ID" not in os.environ:
-        return False
-    try:
-        import ray  # noqa: F401  (imported only to ask whether this process is a Ray worker)
-    except ImportError:
-        return False
-    return ray.is_initialized()
 
 
 def maybe_crash(config: RunConfig, trainer: Trainer) -> None:
@@ -47,12 +40,12 @@ def maybe_crash(config: RunConfig, trainer: Trainer) -> None:
     os._exit(17)
 
 
-def run(config: RunConfig, trainer: Optional[Trainer] = None) -> Dict:
+def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factory: Optional[Callable] = None) -> Dict:
     started = time.perf_counter()
     trainer = trainer or Trainer(config)
     from .checkpoint import CheckpointManager
     checkpoints = CheckpointManager(trainer)
-    adaptive = AdaptiveController(trainer, make_coordinator(trainer)) if config.adaptive.enabled else None
+    adaptive = AdaptiveController(trainer, make_coordinator(trainer, coordinator_factory)) if config.adaptive.enabled else None
     trainer.adaptive = adaptive
     checkpoints.resume(config.output.resume)
     total = trainer.schedule.total_steps
