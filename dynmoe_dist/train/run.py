@@ -40,6 +40,15 @@ def maybe_crash(config: RunConfig, trainer: Trainer) -> None:
     os._exit(17)
 
 
+def step_once(trainer: Trainer, adaptive: Optional[AdaptiveController]):
+    """One optimizer step with the adaptive hooks around it: (step record, adaptive event records)."""
+    step_index = trainer.step
+    if adaptive:
+        adaptive.before_step(step_index)
+    record = trainer.train_step()
+    return record, adaptive.after_step(step_index) if adaptive else []
+
+
 def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factory: Optional[Callable] = None) -> Dict:
     started = time.perf_counter()
     trainer = trainer or Trainer(config)
@@ -53,13 +62,10 @@ def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factor
     with Telemetry(out.out_dir, total, rank0=trainer.is_rank0, progress=out.progress,
                    tensorboard=out.tensorboard, initial_step=trainer.step) as telemetry:
         while trainer.step < total:
-            step_index = trainer.step
-            if adaptive:
-                adaptive.before_step(step_index)
-            record = trainer.train_step()
-            if step_index % config.train.log_every == 0 or trainer.step == total:
+            record, events = step_once(trainer, adaptive)
+            if (trainer.step - 1) % config.train.log_every == 0 or trainer.step == total:
                 telemetry.log(record)
-            for event in adaptive.after_step(step_index) if adaptive else []:
+            for event in events:
                 telemetry.log(event)
             if config.train.eval_every and trainer.step % config.train.eval_every == 0 and trainer.step < total:
                 telemetry.log({"kind": "eval", "step": trainer.step, "epoch": record["epoch"], **trainer.evaluate()})
