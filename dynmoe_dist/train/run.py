@@ -80,6 +80,7 @@ def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factor
     if trainer.is_rank0 and out.report:
         final["report"] = str(draw_run_report(Path(out.out_dir)))
     barrier(trainer.groups, "end of run")
+    final["rank0"] = trainer.is_rank0
     return final
 
 
