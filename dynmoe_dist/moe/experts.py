@@ -53,6 +53,15 @@ def new_expert(config: MoEConfig) -> FeedForward:
                      activation=config.activation, init_std=config.init_std)
 
 
+def autocast_rows(rows_RD: Tensor) -> Tensor:
+    """Under autocast, routed rows travel and are computed in the autocast dtype (e.g. bf16); the
+    weights stay fp32 masters and are cast per call."""
+    device_type = rows_RD.device.type
+    if torch.is_autocast_enabled(device_type):
+        return rows_RD.to(torch.get_autocast_dtype(device_type))
+    return rows_RD
+
+
 def expert_param_shapes(config: MoEConfig) -> List[torch.Size]:
     """Shapes of one expert's parameters, in parameters() order (built on the meta device)."""
     with torch.device("meta"):
@@ -85,6 +94,7 @@ class ExpertBank(nn.Module):
         return len(self.experts)
 
     def forward(self, rows_RD: Tensor, counts_e: Tensor) -> Tensor:
+        rows_RD = autocast_rows(rows_RD)
         if len(self.experts) == 0 or rows_RD.shape[0] == 0:
             return rows_RD.new_zeros(rows_RD.shape) + 0.0 * rows_RD
         if use_grouped_mm(self.config.expert_compute, rows_RD):

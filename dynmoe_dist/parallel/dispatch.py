@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..moe.experts import autocast_rows
 from ..moe.permute import combine_rows, inverse_permutation, replica_index, routed_pairs, sort_by_slot
 from ..moe.routing import Routing
 from ..planning.placement import Placement
@@ -163,7 +164,7 @@ class AllToAllDispatcher:
         slot_R = t.slot_ER[pairs.expert_R, replica_R]
         order_R, counts_S = sort_by_slot(slot_R, t.num_slots)
         token_R = pairs.token_R[order_R]
-        rows_RD = wire_rows(x_TD).index_select(0, token_R)
+        rows_RD = autocast_rows(x_TD).index_select(0, token_R)
         recv_counts_We = self._exchange_counts(counts_S)
         send_W = counts_S.new_zeros(self.groups.ep_size).index_add_(0, t.rank_of_slot_S, counts_S)
         # NOTE: device-to-host sync (split sizes must be Python ints for all_to_all_single)
@@ -208,14 +209,6 @@ def _expert_contiguous_order(recv_counts_We: Tensor):
     slot_Q = torch.repeat_interleave(slot_of_block, recv_counts_We.reshape(-1))
     order_Q, counts_e = sort_by_slot(slot_Q, e)
     return order_Q, counts_e
-
-
-def wire_rows(x_TD: Tensor) -> Tensor:
-    """Under autocast, rows travel (and are computed) in the autocast dtype, e.g. bf16."""
-    device_type = x_TD.device.type
-    if torch.is_autocast_enabled(device_type):
-        return x_TD.to(torch.get_autocast_dtype(device_type))
-    return x_TD
 
 
 def ensure_grad(rows: Tensor) -> Tensor:

@@ -115,20 +115,21 @@ def build_groups(ep_size: int, device: torch.device = torch.device("cpu"), timeo
     """ParallelGroups for an initialised default group (collective: call on every rank)."""
     world_size, rank = dist.get_world_size(), dist.get_rank()
     ep_size = resolve_ep_size(ep_size, world_size)
-    ep_group, dp_group = _subgroups(world_size, ep_size, rank)
+    ep_group, dp_group = _subgroups(world_size, ep_size, rank, timeout_s)
     return ParallelGroups(world_size, rank, ep_size, ep_group, dp_group, dist.get_backend(), device, timeout_s)
 
 
-def _subgroups(world_size: int, ep_size: int, rank: int):
+def _subgroups(world_size: int, ep_size: int, rank: int, timeout_s: float):
     """new_group is collective over the world: every rank creates every group, in the same order."""
     dp_size = world_size // ep_size
+    timeout = timedelta(seconds=timeout_s)
     ep_group = dp_group = None
     for dp_rank in range(dp_size):
-        group = dist.new_group(list(range(dp_rank * ep_size, (dp_rank + 1) * ep_size)))
+        group = dist.new_group(list(range(dp_rank * ep_size, (dp_rank + 1) * ep_size)), timeout=timeout)
         if rank // ep_size == dp_rank:
             ep_group = group
     for ep_rank in range(ep_size):
-        group = dist.new_group(list(range(ep_rank, world_size, ep_size)))
+        group = dist.new_group(list(range(ep_rank, world_size, ep_size)), timeout=timeout)
         if rank % ep_size == ep_rank:
             dp_group = group
     return ep_group, dp_group

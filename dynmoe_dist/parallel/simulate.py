@@ -47,8 +47,11 @@ def _rank_main(fn, args, rank, world_size, port, collective_timeout_s, env, queu
     except BaseException:  # report everything, including SystemExit from a CLI entry point
         queue.put((rank, "error", traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # a peer that already failed can make teardown fail; the result is sent
+            pass
 
 
 def run_simulated(fn: Callable, world_size: int, args: Sequence[Any] = (), *, timeout_s: float = 300.0,
@@ -83,7 +86,9 @@ def _collect(queue, procs, world_size: int, timeout_s: float) -> List[Any]:
         except queue_mod.Empty:
             dead = [i for i, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
                     and i not in results]
-            if dead:
+            if dead and queue.empty():
+                time.sleep(0.5)  # a rank may have queued its result just before exiting
+            if dead and queue.empty():
                 raise SimulationError(f"rank(s) {dead} died (exit codes {[procs[i].exitcode for i in dead]})")
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(results))
