@@ -17,7 +17,6 @@ import argparse
 import json
 import math
 import shlex
-from dataclasses import replace
 from typing import Dict, List, Optional
 
 import torch
