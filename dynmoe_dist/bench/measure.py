@@ -1,0 +1,133 @@
+"""Measurement helpers shared by the benchmarks: interleaved wall-clock timing, peak resident memory
+of one step in a fresh process, and a description of the machine.
+
+Why interleaved: the benchmark machines are small and shared, so load drifts during a run. Timing the
+cases round-robin (A, B, C, A, B, C, ...) exposes every case to the same drift, and the minimum over
+repeats is the figure least disturbed by other processes.
+
+Why a fresh process for memory: torch's CPU allocations go straight to malloc, invisible to
+tracemalloc, and glibc keeps freed memory mapped, so an earlier case would inflate a later one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+Step = Callable[[], None]
+
+MEMORY_METHOD = (
+    "each case runs in a fresh Python process with MALLOC_MMAP_THRESHOLD_=131072: warm up the same "
+    "code at a tiny size (library and autograd initialisation), build the real weights and inputs, "
+    "return freed heap to the OS (malloc_trim), read VmRSS as the baseline, reset the high-water mark "
+    "(write 5 to /proc/self/clear_refs), run one forward+backward, and report VmHWM - baseline in MiB. "
+    "torch CPU tensors come from malloc and are invisible to tracemalloc; resident memory sees them. "
+    "The fixed mmap threshold stops glibc from raising it after large frees, so every tensor above "
+    "128 KiB is its own mapping and the peak counts live tensors, not heap fragmentation left by "
+    "whatever ran before (without it the same case varied by about 15 MiB from run to run)."
+)
+# A fixed threshold also turns off glibc's dynamic threshold adjustment (see mallopt(3)).
+MEMORY_PROCESS_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+def time_interleaved(steps: Dict[str, Step], *, repeats: int, warmup: int) -> Dict[str, dict]:
+    """Wall-clock milliseconds of each step, min and median over ``repeats`` round-robin rounds.
+
+    ``warmup`` rounds run first and are discarded: the first calls of a step pay for page faults
+    of fresh allocations and library initialisation, which steady-state training does not."""
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    samples: Dict[str, List[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            samples[name].append((time.perf_counter() - start) * 1e3)
+    return {name: summarize_ms(ms) for name, ms in samples.items()}
+
+
+def summarize_ms(samples_ms: List[float]) -> dict:
+    return {
+        "ms_min": round(min(samples_ms), 2),
+        "ms_median": round(statistics.median(samples_ms), 2),
+        "repeats": len(samples_ms),
+    }
+
+
+def _status_kib(field: str) -> int:
+    text = Path("/proc/self/status").read_text()
+    match = re.search(rf"^{field}:\s+(\d+) kB", text, flags=re.MULTILINE)
+    assert match is not None, f"{field} missing from /proc/self/status"
+    return int(match.group(1))
+
+
+def memory_supported() -> bool:
+    return sys.platform.startswith("linux") and os.access("/proc/self/clear_refs", os.W_OK)
+
+
+def peak_rss_above_baseline_mb(step: Step) -> float:
+    """Run ``step`` once and return (peak resident memory - resident memory before it) in MiB."""
+    baseline_kib = _status_kib("VmRSS")
+    # Writing 5 resets VmHWM to the current RSS (Linux >= 4.0), so the peak is this step's alone.
+    Path("/proc/self/clear_refs").write_text("5")
+    step()
+    return round((_status_kib("VmHWM") - baseline_kib) / 1024, 2)
+
+
+def run_in_fresh_process(entry: str, spec: dict, *, extra_env: Optional[Dict[str, str]] = None,
+                         timeout_s: float = 900) -> dict:
+    """Call ``entry`` ('package.module:function') with ``spec`` in a new interpreter; the function
+    prints one JSON object on its last stdout line, which is returned."""
+    module, function = entry.split(":")
+    code = f"import sys, json; from {module} import {function}; {function}(json.loads(sys.argv[1]))"
+    env = {**os.environ, **(extra_env or {})}
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env=env, capture_output=True,
+                          text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"{entry} failed ({done.returncode}) for {spec}:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def available_memory_mb() -> Optional[float]:
+    try:
+        return _meminfo_kib("MemAvailable") / 1024
+    except (OSError, AssertionError):
+        return None
+
+
+def _meminfo_kib(field: str) -> int:
+    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/meminfo").read_text(), flags=re.MULTILINE)
+    assert match is not None, f"{field} missing from /proc/meminfo"
+    return int(match.group(1))
+
+
+def machine_info(threads: int) -> dict:
+    return {
+        "cpu_count": os.cpu_count(),
+        "threads": threads,
+        "cpu": _cpu_model(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        match = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), flags=re.MULTILINE)
+    except OSError:
+        match = None
+    return match.group(1).strip() if match else platform.processor()
