@@ -106,9 +106,28 @@ def init_groups(parallel_config) -> ParallelGroups:
     backend = pick_backend(parallel_config.backend, device)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=parallel_config.timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        timeout = timedelta(seconds=parallel_config.timeout_s)
+        device_id = device if device.type == "cuda" else None
+        store = elastic_attempt_store(timeout)
+        if store is None:
+            dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+        else:
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world_size,
+                                    timeout=timeout, device_id=device_id)
     return build_groups(ep_size, device, parallel_config.timeout_s)
+
+
+def elastic_attempt_store(timeout: timedelta):
+    """Under torchrun with restarts, the agent's store outlives a failed attempt, and the keys that
+    process groups (the subgroups especially) rendezvous through keep their old names: a restarted
+    rank can read a dead peer's address and fail to connect. Prefixing the store with the attempt
+    number gives every attempt fresh keys."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timeout)
+    return dist.PrefixStore(f"dynmoe/attempt_{attempt}", client)
 
 
 def build_groups(ep_size: int, device: torch.device = torch.device("cpu"), timeout_s: float = 120.0):

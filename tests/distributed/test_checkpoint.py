@@ -1,0 +1,96 @@
+"""Checkpoints keyed by logical expert: resuming on another world size / ep size continues with the
+same losses as the uninterrupted run, also across expert add/remove events and from the middle of a
+recording window (float64, 1e-9)."""
+
+import json
+
+import pytest
+import torch
+
+from dynmoe_dist.parallel.simulate import run_simulated
+
+STEPS, SAVE_AT = 16, 9  # events after steps 4, 10, 16; step 9 is inside the third window
+
+
+def _config(out_dir, ep_size=0, resume=""):
+    from dynmoe_dist.config import load_config
+    return load_config(None, [
+        "moe.num_experts=5", "moe.max_experts=8", f"parallel.ep_size={ep_size}", "train.precision='float64'",
+        f"train.max_steps={STEPS}", "train.global_batch_size=12", "train.lr=0.003", "train.warmup_steps=2",
+        "task.num_samples=300", "task.max_len=10", "model.dim=16", "model.num_heads=2", "model.ffn_dim=24",
+        "model.num_layers=2", "model.moe_layers=[0, 1]", "adaptive.period_steps=6",
+        "adaptive.expert_init='reuse_discarded'", "adaptive.replicate_factor=1.2",
+        f"output.out_dir='{out_dir}'", "output.progress=false", "output.tensorboard=false",
+        "output.report=false", f"output.resume='{resume}'"])
+
+
+def _tweaked_trainer(config):
+    from dynmoe_dist.train.loop import Trainer
+    trainer = Trainer(config)
+    with torch.no_grad():
+        trainer.moe_layers[0].router.threshold[1] = 10.0  # removed at the first event
+        trainer.moe_layers[1].router.threshold.fill_(0.35)  # unrouted tokens: experts are added
+    return trainer
+
+
+def full_run(out_dir):
+    from dynmoe_dist.train.run import run
+    return run(_config(out_dir), trainer=_tweaked_trainer(_config(out_dir)))
+
+
+def partial_run(out_dir):
+    """Train to SAVE_AT with the adaptive hooks and write a checkpoint there (then 'crash')."""
+    from dynmoe_dist.coordination import CollectiveCoordinator
+    from dynmoe_dist.train.adaptive import AdaptiveController
+    from dynmoe_dist.train.checkpoint import CheckpointManager
+    from dynmoe_dist.train.run import step_once
+    trainer = _tweaked_trainer(_config(out_dir))
+    trainer.adaptive = AdaptiveController(trainer, CollectiveCoordinator(trainer.groups))
+    for _ in range(SAVE_AT):
+        step_once(trainer, trainer.adaptive)
+    assert trainer.recorders[0].window is not None, "the checkpoint must fall inside a window"
+    return str(CheckpointManager(trainer).save()), [layer.num_experts for layer in trainer.moe_layers]
+
+
+def resumed_run(out_dir, checkpoint, ep_size):
+    from dynmoe_dist.train.run import run
+    return run(_config(out_dir, ep_size=ep_size, resume=checkpoint))
+
+
+def _losses(out_dir):
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "step"}, \
+        [(r["step"], r["layer"], r["num_experts"]) for r in records
+         if r["kind"] == "event" and (r["removed"] or r["added"])]  # placement-only events depend on ep size
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    final = full_run(str(out))
+    return final, *_losses(out)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two_ranks")
+    path, experts = run_simulated(partial_run, 2, args=(str(out),), timeout_s=300)[0]
+    return path, experts
+
+
+@pytest.mark.parametrize("world, ep_size", [(3, 3), (1, 1), (2, 1)])
+def test_resume_on_another_world_size_matches_uninterrupted(reference, checkpoint, tmp_path, world, ep_size):
+    final_ref, losses_ref, events_ref = reference
+    path, experts_at_save = checkpoint
+    assert experts_at_save != [5, 5], "experts must have changed before the checkpoint"
+    if world == 1:
+        final = resumed_run(str(tmp_path), path, ep_size)
+    else:
+        final = run_simulated(resumed_run, world, args=(str(tmp_path), path, ep_size), timeout_s=300)[0]
+    losses, events = _losses(tmp_path)
+    assert sorted(losses) == list(range(SAVE_AT + 1, STEPS + 1))
+    for step, loss in losses.items():
+        assert abs(loss - losses_ref[step]) <= 1e-9 * abs(losses_ref[step]), f"step {step}"
+    assert events == [e for e in events_ref if e[0] > SAVE_AT] != []
+    assert final["num_experts"] == final_ref["num_experts"]
+    assert abs(final["test_loss"] - final_ref["test_loss"]) <= 1e-9 * final_ref["test_loss"]
