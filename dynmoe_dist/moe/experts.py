@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels.grouped_gemm import grouped_mm
 from .config import MoEConfig
 
 ACTIVATION_FNS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
@@ -113,11 +114,11 @@ class ExpertBank(nn.Module):
         slot_R = torch.repeat_interleave(torch.arange(len(self.experts), device=rows_RD.device), counts_e)
         w_in_eDF = torch.stack([e.w_in.t() for e in self.experts]).to(dtype)
         w_out_eFD = torch.stack([e.w_out.t() for e in self.experts]).to(dtype)
-        hidden_RF = _grouped_mm(rows_RD, w_in_eDF, offs_e)
+        hidden_RF = grouped_mm(rows_RD, w_in_eDF, offs_e)
         if self.config.expert_bias:
             hidden_RF = hidden_RF + torch.stack([e.b_in for e in self.experts]).to(dtype)[slot_R]
         hidden_RF = ACTIVATION_FNS[self.config.activation](hidden_RF)
-        out_RD = _grouped_mm(hidden_RF, w_out_eFD, offs_e)
+        out_RD = grouped_mm(hidden_RF, w_out_eFD, offs_e)
         if self.config.expert_bias:
             out_RD = out_RD + torch.stack([e.b_out for e in self.experts]).to(dtype)[slot_R]
         return out_RD
@@ -132,30 +133,6 @@ class ExpertBank(nn.Module):
 
     def set_experts(self, experts: Sequence[FeedForward]) -> None:
         self.experts = nn.ModuleList(experts)
-
-
-GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _grouped_mm_supports(a_RK: Tensor, b_eKN: Tensor) -> bool:
-    if not hasattr(torch, "_grouped_mm") or a_RK.dtype not in GROUPED_MM_DTYPES:
-        return False
-    size = a_RK.element_size()
-    return (a_RK.shape[-1] * size) % 16 == 0 and (b_eKN.shape[-1] * size) % 16 == 0
-
-
-def _grouped_mm(a_RK: Tensor, b_eKN: Tensor, offs_e: Tensor) -> Tensor:
-    """torch._grouped_mm where it supports the operands; a segment loop elsewhere.
-
-    The kernel takes fp32/bf16/fp16 only, with row strides that are multiples of 16 bytes."""
-    if not _grouped_mm_supports(a_RK, b_eKN):
-        starts = [0] + offs_e.tolist()[:-1]  # NOTE: device-to-host sync
-        return torch.cat([a_RK[s:e] @ b_eKN[i] for i, (s, e) in enumerate(zip(starts, offs_e.tolist()))])
-    out_RN = torch._grouped_mm(a_RK, b_eKN, offs=offs_e)
-    if out_RN.requires_grad:
-        # The CPU backward of _grouped_mm rejects non-contiguous (e.g. expanded) gradients.
-        out_RN.register_hook(lambda grad: grad.contiguous())
-    return out_RN
 
 
 def reference_forward(experts: Sequence[FeedForward], rows_RD: Tensor, counts_e: Tensor) -> Tensor:

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from dynmoe_dist.moe import ExpertBank, MoEConfig
-from dynmoe_dist.moe.experts import _grouped_mm_supports, reference_forward
+from dynmoe_dist.kernels import grouped_mm, grouped_mm_reference, grouped_mm_supports
+from dynmoe_dist.moe.experts import reference_forward
 from dynmoe_dist.moe.layer import LocalDispatcher
 from dynmoe_dist.moe.permute import replica_index, routed_pairs, sort_by_slot
 from dynmoe_dist.moe.routing import Routing
@@ -115,7 +116,7 @@ def test_grouped_mm_kernel_matches_loop_in_fp32():
     loop, grouped = _bank("loop", dim=8, ffn_dim=16).float(), _bank("grouped_mm", dim=8, ffn_dim=16).float()
     counts = torch.tensor([30, 0, 12, 1, 7])
     rows = torch.randn(50, 8, requires_grad=True)
-    assert _grouped_mm_supports(rows, torch.zeros(5, 8, 16))
+    assert grouped_mm_supports(rows, torch.zeros(5, 8, 16))
     out_loop, out_grouped = loop(rows, counts), grouped(rows, counts)
     torch.testing.assert_close(out_grouped, out_loop, rtol=1e-5, atol=1e-5)
     g_loop = torch.autograd.grad(out_loop.sum(), [rows, *loop.parameters()], allow_unused=True)
@@ -147,3 +148,12 @@ def test_combine_rows_matches_mul_index_add_composition(rows_dtype, needs):
     for mine, want in zip(torch.autograd.grad(out, inputs, cot), torch.autograd.grad(ref, inputs, cot)):
         assert mine.dtype == want.dtype
         torch.testing.assert_close(mine, want, **tol)
+
+
+def test_grouped_mm_kernel_matches_its_reference():
+    torch.manual_seed(0)
+    a, b = torch.randn(40, 16), torch.randn(3, 16, 8)
+    offs = torch.tensor([10, 10, 40], dtype=torch.int32)  # the middle segment is empty
+    assert grouped_mm_supports(a, b)
+    torch.testing.assert_close(grouped_mm(a, b, offs), grouped_mm_reference(a, b, offs), rtol=1e-5, atol=1e-5)
+    assert not grouped_mm_supports(a.double(), b.double())  # float64 takes the reference path
