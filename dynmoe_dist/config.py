@@ -154,7 +154,7 @@ class AdaptiveConfig:
     """New expert FFN weights: reuse_discarded, average, weighted_average, most_activated or random."""
     rebalance: bool = True
     """Re-place experts over expert-parallel ranks to minimise the largest per-rank load."""
-    replicate_factor: float = 2.0
+    replicate_factor: float = 1.5
     """Replicate an expert whose load exceeds this multiple of the mean per-rank load (must be > 1)."""
     max_replicas: int = 0
     """Replicas per expert at most (0 = up to the ep size; 1 = replication off)."""

@@ -64,6 +64,9 @@ class MoEConfig:
     """Expert matmuls: 'grouped_mm' (torch._grouped_mm), 'loop' (one matmul per expert) or 'auto'."""
     init_std: float = 0.02
     """Std of the normal init of freshly created expert weights."""
+    threshold_init: float = 0.0
+    """Initial gate threshold G of top-any routers (the reference: 0). Higher values start sparser:
+    a token then selects expert e only if cos(x, W_e) > G_e."""
 
     def __post_init__(self) -> None:
         if self.max_experts is None:

@@ -73,7 +73,7 @@ class TopAnyRouter(nn.Module):
         super().__init__()
         self.config = config
         self.weight = nn.Parameter(nn.init.orthogonal_(torch.empty(config.num_experts, config.dim)))
-        self.threshold = nn.Parameter(torch.zeros(config.num_experts))
+        self.threshold = nn.Parameter(torch.full((config.num_experts,), float(config.threshold_init)))
 
     def forward(self, x_TD: Tensor, training: bool) -> Routing:
         return top_any(x_TD, self.weight, self.threshold, training=training,
