@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -59,35 +60,40 @@ def timed(fn: Callable[[], None], groups) -> Tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def wire_figures(ours, fs, x_TD, shapes: parts.Shapes, groups) -> Dict:
-    """One forward pass each, counted: our dispatcher's bytes vs fairscale's padded buffer."""
-    ours.dispatcher.comm.reset()
+def our_bytes(layer, x_TD) -> Dict:
+    """One counted forward pass of our layer: bytes its dispatcher sent against its routed rows."""
+    layer.dispatcher.comm.reset()
     with torch.no_grad():
-        routed = int(ours(x_TD).routing.mask.sum())
-    comm = ours.dispatcher.comm
-    element = x_TD.element_size()
-    num_experts, world = shapes.num_experts(groups.ep_size), groups.ep_size
-    fs_bytes = parts.fairscale_bytes_per_direction(x_TD.shape[0], num_experts, shapes.dim, element)
+        routed = int(layer(x_TD).routing.mask.sum())
+    comm = layer.dispatcher.comm
+    return {"routed_rows": routed, "bytes_per_direction": comm.bytes_sent,
+            "remote_bytes_per_direction": comm.remote_bytes_sent,
+            "bytes_equal_routed_rows": comm.bytes_sent == routed * x_TD.shape[1] * x_TD.element_size(),
+            # forward dispatch + combine, and the same two exchanges again in backward
+            "bytes_per_step": 4 * comm.bytes_sent}
+
+
+def fairscale_bytes(fs, x_TD, shapes: parts.Shapes, world: int) -> Dict:
+    """fairscale sends its whole E x C x D buffer each way, however many pairs it kept."""
+    num_experts = shapes.num_experts(world)
+    per_direction = parts.fairscale_bytes_per_direction(x_TD.shape[0], num_experts, shapes.dim, x_TD.element_size())
     kept = parts.fairscale_kept_pairs(fs, x_TD)
-    return {
-        "ours_routed_rows": routed,
-        "ours_bytes_per_direction": comm.bytes_sent,
-        "ours_remote_bytes_per_direction": comm.remote_bytes_sent,
-        "ours_bytes_equal_routed_rows": comm.bytes_sent == routed * shapes.dim * element,
-        # forward dispatch + combine, and the same two exchanges again in backward
-        "ours_bytes_per_step": 4 * comm.bytes_sent,
-        "fairscale_bytes_per_direction": fs_bytes,
-        "fairscale_remote_bytes_per_direction": fs_bytes * (world - 1) // world,
-        "fairscale_bytes_per_step": 4 * fs_bytes,
-        "fairscale_capacity": parts.fairscale_capacity(x_TD.shape[0], num_experts),
-        "fairscale_kept_pairs": kept,
-        "fairscale_dropped_pairs": 2 * x_TD.shape[0] - kept,
-    }
+    return {"bytes_per_direction": per_direction, "remote_bytes_per_direction": per_direction * (world - 1) // world,
+            "bytes_per_step": 4 * per_direction, "capacity": parts.fairscale_capacity(x_TD.shape[0], num_experts),
+            "kept_pairs": kept, "dropped_pairs": 2 * x_TD.shape[0] - kept}
 
 
-def rank_worker(shapes_dict: Dict, warmup: int, repeats: int) -> Dict:
+def pin_to_core(rank: int, pin: bool) -> None:
+    """One core per rank (when asked and the OS allows): ranks do not share a core with each other."""
+    if pin and hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
+def rank_worker(shapes_dict: Dict, warmup: int, repeats: int, pin: bool = False) -> Dict:
     shapes = parts.Shapes(**shapes_dict)
     groups = build_groups(0)
+    pin_to_core(groups.rank, pin)
     gen = torch.Generator().manual_seed(1000 + groups.rank)
     x_TD = torch.randn(shapes.tokens, shapes.dim, generator=gen)
     cot_TD = torch.randn(shapes.tokens, shapes.dim, generator=gen)
@@ -99,6 +105,7 @@ def rank_worker(shapes_dict: Dict, warmup: int, repeats: int) -> Dict:
     mean_k_top2 = parts.global_mean_k(top2, x_TD, groups)
     threshold = parts.calibrate_threshold(top_any, x_TD, groups, mean_k_top2)
     received = parts.capture_received(top2, x_TD)
+    received_any = parts.capture_received(top_any, x_TD)
 
     contenders = {
         "ours_top2": layer_step(top2, x_TD, cot_TD),
@@ -116,8 +123,11 @@ def rank_worker(shapes_dict: Dict, warmup: int, repeats: int) -> Dict:
             if round_ >= warmup:
                 times[name].append(wall_s)
                 cpu[name].append(cpu_s)
-    return {"rank": groups.rank, "times": times, "cpu": cpu, "wire": wire_figures(top2, fs, x_TD, shapes, groups),
-            "received_rows_per_expert": received.counts_e, "mean_k_top2": mean_k_top2,
+    wire = {"ours_top2": our_bytes(top2, x_TD), "ours_top_any": our_bytes(top_any, x_TD),
+            "fairscale_top2": fairscale_bytes(fs, x_TD, shapes, groups.ep_size)}
+    return {"rank": groups.rank, "times": times, "cpu": cpu, "wire": wire,
+            "received_rows_per_expert": {"ours_top2": received.counts_e, "ours_top_any": received_any.counts_e},
+            "mean_k_top2": mean_k_top2,
             "mean_k_top_any": parts.global_mean_k(top_any, x_TD, groups), "top_any_threshold": threshold}
 
 
@@ -168,7 +178,8 @@ def summarise(per_rank: List[Dict], args) -> Dict:
         "cpu_s": cpu["step"],
         "cpu_ratios": cpu["ratios"],
         "wire_bytes": {"per_rank": wire,
-                       "ours_equal_routed_rows_on_every_rank": all(w["ours_bytes_equal_routed_rows"] for w in wire)},
+                       "ours_equal_routed_rows_on_every_rank": all(
+                           w[name]["bytes_equal_routed_rows"] for w in wire for name in ("ours_top2", "ours_top_any"))},
         "routing": {"mean_k_top2": per_rank[0]["mean_k_top2"], "mean_k_top_any": per_rank[0]["mean_k_top_any"],
                     "top_any_threshold": per_rank[0]["top_any_threshold"],
                     "received_rows_per_expert": [r["received_rows_per_expert"] for r in per_rank]},
@@ -186,6 +197,7 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--pin", action="store_true", help="pin rank r to core r (mod the cores available)")
     p.add_argument("--timeout", type=float, default=1200.0)
     return p.parse_args(argv)
 
@@ -193,6 +205,6 @@ def parse(argv) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse(sys.argv[1:] if argv is None else argv)
     shapes = parts.Shapes(args.dim, args.ffn_dim, args.experts_per_rank, args.tokens)
-    per_rank = run_simulated(rank_worker, args.ranks, args=(asdict(shapes), args.warmup, args.repeats),
+    per_rank = run_simulated(rank_worker, args.ranks, args=(asdict(shapes), args.warmup, args.repeats, args.pin),
                              timeout_s=args.timeout, collective_timeout_s=args.timeout)
     print(json.dumps(summarise(per_rank, args), indent=2))
