@@ -81,8 +81,9 @@ def imbalance(loads: Sequence[float]) -> float:
     return max(loads) / mean if mean > 0 else 1.0
 
 
-def measured_imbalance(records: List[Dict], layer: int) -> Optional[float]:
-    values = [imbalance(r["rank_load"][layer]) for r in records if layer < len(r["rank_load"])]
+def measured_imbalance(step_loads: List[List[List[float]]], layer: int) -> Optional[float]:
+    """Mean over steps of max / mean rows per rank; step_loads[step][layer] = rows per rank."""
+    values = [imbalance(loads[layer]) for loads in step_loads if layer < len(loads)]
     return statistics.mean(values) if values else None
 
 
@@ -124,47 +125,78 @@ def rank_worker(config_path: str, overrides: List[str], skewed: bool) -> Dict:
 
 
 # -- the parent -----------------------------------------------------------------------------------------
+PHASES = ("event_s", "stats_all_reduce_s", "plan_s", "plan_broadcast_s")
+
+
 def slowest(per_rank: List[Dict], pick) -> List[float]:
     return [max(values) for values in zip(*(pick(r) for r in per_rank))]
 
 
-def event_summary(per_rank: List[Dict], index: int, step_median: float, step_records: List[Dict]) -> Dict:
-    ev = [r["events"][index] for r in per_rank]
-    phases = {key: max(e[key] for e in ev) for key in ("event_s", "stats_all_reduce_s", "plan_s", "plan_broadcast_s")}
-    apply_s = max(e["event_s"] - e["stats_all_reduce_s"] - e["plan_s"] - e["plan_broadcast_s"] for e in ev)
-    after = ev[0]["after_step"]
-    before_steps = step_records[max(0, after + 1 - LOAD_STEPS): after + 1]
-    after_steps = step_records[after + 1: after + 1 + LOAD_STEPS]
-    layers = []
-    for rec in ev[0]["records"]:
-        layer = rec["layer"]
-        layers.append({"layer": layer, "removed": len(rec["removed"]), "added": len(rec["added"]),
-                       "moved": rec["moves"], "replicas": rec["replicas"], "num_experts": rec["num_experts"],
-                       "planned_imbalance_before": rec["imbalance_before"],
-                       "planned_imbalance_after": rec["imbalance_after"],
-                       "measured_imbalance_before": measured_imbalance(before_steps, layer),
-                       "measured_imbalance_after": measured_imbalance(after_steps, layer)})
-    return {"after_step": after, **phases, "apply_s": apply_s, "event_in_steps": phases["event_s"] / step_median,
-            "target_max_steps": TARGET_STEPS, "met": phases["event_s"] / step_median <= TARGET_STEPS,
-            "changed_layers": layers,
-            "step_after_event_s": slowest(per_rank, lambda r: r["steps_s"])[after + 1]
-            if after + 1 < len(per_rank[0]["steps_s"]) else None}
-
-
-def scenario(world: int, skewed: bool, config_path: str, extra: List[str], timeout: float) -> Dict:
-    overrides = (SKEW_OVERRIDES if skewed else []) + extra
-    per_rank = run_simulated(rank_worker, world, args=(config_path, overrides, skewed), timeout_s=timeout)
+def run_times(per_rank: List[Dict]) -> Dict:
+    """One training run: the slowest rank's normal steps, and each event's phases (slowest rank each)."""
     steps = slowest(per_rank, lambda r: r["steps_s"])
-    event_steps = {e["after_step"] + 1 for e in per_rank[0]["events"]}
+    after = [e["after_step"] for e in per_rank[0]["events"]]
     # A normal step: not the first two (allocator and thread-pool warm-up), not one right after an event.
-    normal = [s for i, s in enumerate(steps) if i >= 2 and i not in event_steps]
+    normal = [s for i, s in enumerate(steps) if i >= 2 and i - 1 not in after]
+    events = []
+    for index, step in enumerate(after):
+        ev = [r["events"][index] for r in per_rank]
+        phases = {key: max(e[key] for e in ev) for key in PHASES}
+        phases["apply_s"] = max(e["event_s"] - sum(e[key] for key in PHASES[1:]) for e in ev)
+        phases["step_after_event_s"] = steps[step + 1] if step + 1 < len(steps) else None
+        events.append(phases)
+    return {"normal_steps": normal, "events": events}
+
+
+def layer_changes(per_rank: List[Dict], index: int) -> List[Dict]:
+    """What one event did to each layer it changed, with the planner's and the measured imbalance."""
+    event = per_rank[0]["events"][index]
+    step = event["after_step"]
+    loads = per_rank[0]["rank_load"]
+    before, after = loads[max(0, step + 1 - LOAD_STEPS): step + 1], loads[step + 1: step + 1 + LOAD_STEPS]
+    changes = []
+    for rec in event["records"]:
+        layer = rec["layer"]
+        changes.append({"layer": layer, "removed": len(rec["removed"]), "added": len(rec["added"]),
+                        "moved": rec["moves"], "replicas": rec["replicas"], "num_experts": rec["num_experts"],
+                        "planned_imbalance_before": rec["imbalance_before"],
+                        "planned_imbalance_after": rec["imbalance_after"],
+                        "measured_imbalance_before": measured_imbalance(before, layer),
+                        "measured_imbalance_after": measured_imbalance(after, layer)})
+    return changes
+
+
+def spread(values: List[float]) -> Dict:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def event_summary(runs: List[Dict], per_rank: List[Dict], index: int, step_median: float) -> Dict:
+    phases = {key: spread([r["events"][index][key] for r in runs]) for key in PHASES + ("apply_s",)}
+    ratio = phases["event_s"]["median"] / step_median
+    worst = max(r["events"][index]["event_s"] / statistics.median(r["normal_steps"]) for r in runs)
+    return {"after_step": per_rank[0]["events"][index]["after_step"], "seconds": phases,
+            "event_in_steps": ratio, "worst_run_event_in_steps": worst, "target_max_steps": TARGET_STEPS,
+            "met": ratio <= TARGET_STEPS, "changed_layers": layer_changes(per_rank, index),
+            "step_after_event_s": spread([r["events"][index]["step_after_event_s"] for r in runs
+                                          if r["events"][index]["step_after_event_s"] is not None] or [0.0])}
+
+
+def scenario(world: int, skewed: bool, config_path: str, extra: List[str], repeats: int, timeout: float) -> Dict:
+    """The same (deterministic) training run `repeats` times; times are spread over the repeats."""
+    overrides = (SKEW_OVERRIDES if skewed else []) + extra
+    results = [run_simulated(rank_worker, world, args=(config_path, overrides, skewed), timeout_s=timeout)
+               for _ in range(repeats)]
+    runs = [run_times(per_rank) for per_rank in results]
+    normal = [s for r in runs for s in r["normal_steps"]]
     step_median = statistics.median(normal)
-    step_records = [{"rank_load": load} for load in per_rank[0]["rank_load"]]
-    events = [event_summary(per_rank, i, step_median, step_records) for i in range(len(per_rank[0]["events"]))]
+    first = results[0]
+    same = all([e["records"] for e in pr[0]["events"]] == [e["records"] for e in first[0]["events"]]
+               for pr in results)
+    events = [event_summary(runs, first, i, step_median) for i in range(len(first[0]["events"]))]
     return {"ranks": world, "scenario": "skewed" if skewed else "natural", "overrides": overrides,
-            "steps": len(steps), "step_median_s": step_median, "step_min_s": min(normal),
-            "events": events, "num_experts_final": per_rank[0]["num_experts"][-1],
-            "all_events_met": all(e["met"] for e in events)}
+            "repeats": repeats, "steps_per_run": len(first[0]["steps_s"]), "step_median_s": step_median,
+            "step_min_s": min(normal), "events": events, "num_experts_final": first[0]["num_experts"][-1],
+            "same_events_every_repeat": same, "all_events_met": all(e["met"] for e in events)}
 
 
 def parse(argv) -> argparse.Namespace:
@@ -173,13 +205,14 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 3])
     p.add_argument("--scenarios", nargs="+", choices=("natural", "skewed"), default=["natural", "skewed"])
     p.add_argument("--set", dest="overrides", action="append", default=[], help="extra config override a.b=c")
+    p.add_argument("--repeats", type=int, default=3, help="training runs per scenario (times: min/median/max)")
     p.add_argument("--timeout", type=float, default=600.0)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse(sys.argv[1:] if argv is None else argv)
-    runs = [scenario(world, name == "skewed", args.config, args.overrides, args.timeout)
+    runs = [scenario(world, name == "skewed", args.config, args.overrides, args.repeats, args.timeout)
             for world in args.ranks for name in args.scenarios]
     print(json.dumps({"benchmark": "adapt", "config": args.config, "torch_threads_per_rank": 1,
                       "backend": "gloo", "target_max_steps": TARGET_STEPS, "runs": runs,
