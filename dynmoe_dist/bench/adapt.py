@@ -9,8 +9,9 @@ thread each). Every optimizer step and every adaptation event is timed on its ow
 A phase's time is the slowest rank's. Two scenarios per world size:
   natural  the demo as it is;
   skewed   router thresholds set so the event has work to do: in layer 0 every token picks expert 0
-           (a hot expert: replicated) and experts 1-5 are hard to reach (some removed); in layer 1 many
-           tokens pick no expert (one is added). adaptive.replicate_factor is lowered to 1.2.
+           (threshold -1: a hot expert, replicated) and experts 1-5 sit at 0.3 (rarely picked); in
+           layer 1 every threshold is 0.35, so most tokens pick no expert (one is added) and an expert
+           nobody picks is removed. adaptive.replicate_factor is lowered to 1.2 (from 2.0).
 Load imbalance (max / mean rows per rank) is reported as the planner estimated it (event records) and
 as measured by the steps' routing counts just before and just after the event.
 """
