@@ -7,9 +7,10 @@ rank, 4096 tokens per rank), every rank times forward + backward of:
   ours_top_any    our MoELayer with DynMoE top-any routing, thresholds calibrated to top-2's mean k;
   limit_experts   the expert matmuls (forward + backward) on exactly the rows this rank received;
   limit_a2a       the step's four all_to_all_single calls (dispatch, combine, and their mirrors), bare.
-limit = limit_experts + limit_a2a. Contenders run round-robin, each round after a barrier, so background
-load hits them alike. A round's step time is the max over ranks (the slowest rank finishes the step);
-the JSON reports min and median over rounds, and every rank's own times.
+limit = limit_experts + limit_a2a. Contenders run round-robin, each after a barrier, and the order
+rotates every round, so background load and the after-effects of the previous contender hit them alike.
+A round's step time is the max over ranks (the slowest rank finishes the step); the JSON reports min and
+median over rounds of wall time, of CPU time (this rank's process, all threads), and every rank's own.
 """
 
 from __future__ import annotations
@@ -116,8 +117,13 @@ def rank_worker(shapes_dict: Dict, warmup: int, repeats: int, pin: bool = False)
     }
     times: Dict[str, List[float]] = {name: [] for name in contenders}
     cpu: Dict[str, List[float]] = {name: [] for name in contenders}
+    names = list(contenders)
     for round_ in range(warmup + repeats):
-        for name, fn in contenders.items():
+        # Rotate the order every round: what ran just before matters (fairscale frees ~1 GB of
+        # buffers, and the next contender pays the page faults of fresh allocations), so every
+        # contender follows every other equally often.
+        for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+            fn = contenders[name]
             parts.zero_grads(top2, top_any, fs)
             wall_s, cpu_s = timed(fn, groups)
             if round_ >= warmup:
