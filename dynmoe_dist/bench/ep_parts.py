@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -150,7 +150,10 @@ class Received:
 
 
 def capture_received(layer: MoELayer, x_TD: Tensor) -> Received:
-    """Run one forward pass and record the exact split sizes the dispatcher used."""
+    """Run one forward pass and record the exact split sizes the dispatcher used.
+
+    The dispatcher keeps nothing between calls (by design), so the sizes are caught on their way out
+    of ``dispatch`` by a wrapper set on the instance for this one call."""
     seen = {}
     dispatch = layer.dispatcher.dispatch
 
@@ -197,9 +200,8 @@ def bare_all_to_alls(received: Received, dim: int, group) -> Callable[[], None]:
     return run
 
 
-def zero_grads(*modules: nn.Module, extra: Optional[Sequence[Tensor]] = ()) -> None:
+def zero_grads(*modules: nn.Module) -> None:
+    """Drop gradients between timed steps, so no step pays for accumulating into the previous one's."""
     for module in modules:
         for p in module.parameters():
             p.grad = None
-    for t in extra:
-        t.grad = None
