@@ -15,6 +15,7 @@ Every ep group of a dp x ep world does this in parallel on its own ranks.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -72,43 +73,86 @@ def random_expert(config, seed: int, like: Tensor) -> FeedForward:
 
 
 # -- 2. point-to-point moves with optimizer state ----------------------------------------------------
+# One expert travels as two messages: a small header saying which optimizer-state entries exist for each
+# parameter, then every tensor's raw bytes in one buffer (bit-exact for any dtype). A message per tensor
+# (about 24 for an Adam-trained expert) made each move cost two dozen round trips, which on gloo is
+# milliseconds each: an event moving a few small experts took several training steps.
+def _state_header(module: FeedForward, optimizer) -> List[int]:
+    """Per parameter: [has state, bit mask over STATE_KEYS of the moments present]."""
+    header = []
+    for p in module.parameters():
+        state = optimizer.state.get(p, {})
+        header += [1 if state else 0, sum(1 << i for i, k in enumerate(STATE_KEYS) if k in state)]
+    return header
+
+
+def _as_bytes(t: Tensor) -> Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
 def send_expert(module: FeedForward, optimizer, dst: int, groups: ParallelGroups) -> None:
+    like = next(module.parameters())
+    header = _state_header(module, optimizer)
+    pieces = []
+    for p, has_state, mask in zip(module.parameters(), header[0::2], header[1::2]):
+        pieces.append(_as_bytes(p))
+        if has_state:
+            state = optimizer.state[p]
+            step = torch.tensor([float(state["step"])], dtype=torch.float64, device=like.device)
+            pieces += [_as_bytes(step)] + [_as_bytes(state[k]) for i, k in enumerate(STATE_KEYS) if mask >> i & 1]
     with named(f"expert send to rank {dst}", groups):
-        for p in module.parameters():
-            dist.send(p.detach().contiguous(), dst)
-            state = optimizer.state.get(p, {})
-            keys = [k for k in STATE_KEYS if k in state]
-            dist.send(torch.tensor([1 if state else 0, len(keys)], dtype=torch.long), dst)
-            if state:
-                dist.send(torch.tensor([float(state["step"])], dtype=torch.float64), dst)
-                dist.send(torch.tensor([STATE_KEYS.index(k) for k in keys], dtype=torch.long), dst)
-                for k in keys:
-                    dist.send(state[k].contiguous(), dst)
+        dist.send(torch.tensor(header, dtype=torch.long, device=like.device), dst)
+        dist.send(torch.cat(pieces), dst)
 
 
 def recv_expert(config, like: Tensor, optimizer, src: int, groups: ParallelGroups) -> FeedForward:
     module = new_expert(config).to(device=like.device, dtype=like.dtype)
-    with named(f"expert receive from rank {src}", groups), torch.no_grad():
-        for p in module.parameters():
-            dist.recv(p.data, src)
-            header = torch.zeros(2, dtype=torch.long)
-            dist.recv(header, src)
-            if int(header[0]):
-                optimizer.state[p] = _recv_state(p, int(header[1]), src)
+    params = list(module.parameters())
+    header = torch.zeros(2 * len(params), dtype=torch.long, device=like.device)
+    with named(f"expert receive from rank {src}", groups):
+        dist.recv(header, src)
+        flags = header.tolist()
+        payload = torch.empty(_payload_bytes(params, flags), dtype=torch.uint8, device=like.device)
+        dist.recv(payload, src)
+    _unpack(payload, params, flags, optimizer)
     return module
 
 
-def _recv_state(p: Tensor, num_keys: int, src: int) -> Dict[str, Tensor]:
-    step = torch.zeros(1, dtype=torch.float64)
-    dist.recv(step, src)
-    key_ids = torch.zeros(num_keys, dtype=torch.long)
-    dist.recv(key_ids, src)
-    state = {"step": torch.tensor(float(step), dtype=_scalar_dtype())}
-    for key_id in key_ids.tolist():
-        buffer = torch.empty_like(p)
-        dist.recv(buffer, src)
-        state[STATE_KEYS[key_id]] = buffer
-    return state
+def _payload_bytes(params: Sequence[Tensor], flags: List[int]) -> int:
+    total = 0
+    for p, has_state, mask in zip(params, flags[0::2], flags[1::2]):
+        moments = bin(mask).count("1") if has_state else 0
+        total += (1 + moments) * p.numel() * p.element_size() + (8 if has_state else 0)
+    return total
+
+
+class _Reader:
+    """Reads consecutive tensors back out of a received byte buffer."""
+
+    def __init__(self, payload: Tensor):
+        self.payload, self.offset = payload, 0
+
+    def take(self, dtype: torch.dtype, shape) -> Tensor:
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        chunk = self.payload[self.offset: self.offset + size]
+        self.offset += size
+        return chunk.view(dtype).reshape(shape).clone()
+
+
+def _unpack(payload: Tensor, params: Sequence[Tensor], flags: List[int], optimizer) -> None:
+    reader = _Reader(payload)
+    with torch.no_grad():
+        for p, has_state, mask in zip(params, flags[0::2], flags[1::2]):
+            p.copy_(reader.take(p.dtype, p.shape))
+            if not has_state:
+                continue
+            step = float(reader.take(torch.float64, ()))
+            state = {"step": torch.tensor(step, dtype=_scalar_dtype())}
+            for i, key in enumerate(STATE_KEYS):
+                if mask >> i & 1:
+                    state[key] = reader.take(p.dtype, p.shape)
+            optimizer.state[p] = state
+    assert reader.offset == payload.numel(), "expert payload size disagrees with its header"
 
 
 def transfers(lp: LayerPlan, old_placement) -> List[Tuple[int, int, int]]:
