@@ -114,18 +114,39 @@ def max_load(assigned, ep_size: int) -> float:
     return max(load)
 
 
+def replica_options(loads: Sequence[float], ep_size: int, factor: float, max_replicas: int) -> List[List[int]]:
+    """The base replica counts, then the hot experts with 1, 2, ... more replicas (up to the cap):
+    ceil(load / mean) shares do not always pack evenly (four halves on three ranks), more may."""
+    base = replica_counts(loads, ep_size, factor, max_replicas)
+    cap = ep_size if max_replicas == 0 else min(max_replicas, ep_size)
+    options = [base]
+    for extra in range(1, cap):
+        option = [min(cap, n + extra) if n > 1 else n for n in base]
+        if option != options[-1]:
+            options.append(option)
+    return options
+
+
+def _assignments(items: List[Item], homes, ep_size: int, rebalance: bool):
+    if not rebalance:
+        return [place_sticky(items, homes, ep_size, cap=None)]
+    lpt = place_lpt(items, homes, ep_size)
+    return [place_sticky(items, homes, ep_size, cap=None),
+            place_sticky(items, homes, ep_size, cap=max_load(lpt, ep_size)), lpt]
+
+
 def pack_experts(loads: Sequence[float], homes: Sequence[Sequence[int]], ep_size: int, *, rebalance: bool = True,
                  replicate_factor: float = 1.5, max_replicas: int = 0) -> Tuple[Placement, int]:
-    """New placement for experts with these loads; homes[e] = ranks holding e now ([] for new experts)."""
-    replicas = replica_counts(loads, ep_size, replicate_factor, max_replicas)
-    items = make_items(loads, replicas)
-    candidates = [place_sticky(items, homes, ep_size, cap=None)]
-    if rebalance:
-        lpt = place_lpt(items, homes, ep_size)
-        candidates += [place_sticky(items, homes, ep_size, cap=max_load(lpt, ep_size)), lpt]
-        best = min(candidates, key=lambda a: (round(max_load(a, ep_size), 6), count_moves(a, homes)))
-    else:
-        best = candidates[0]
+    """New placement for experts with these loads; homes[e] = ranks holding e now ([] for new experts).
+
+    Among the candidates, the lowest maximum rank load wins, then the fewest replicas, then the fewest
+    moves (without rebalance, experts stay where they are and only new items are placed)."""
+    best, best_key = None, None
+    for replicas in replica_options(loads, ep_size, replicate_factor, max_replicas):
+        for assigned in _assignments(make_items(loads, replicas), homes, ep_size, rebalance):
+            key = (round(max_load(assigned, ep_size), 6), sum(replicas), count_moves(assigned, homes))
+            if best_key is None or key < best_key:
+                best, best_key = assigned, key
     per_rank: List[List[int]] = [[] for _ in range(ep_size)]
     for (expert, _, _), rank in best:
         per_rank[rank].append(expert)
