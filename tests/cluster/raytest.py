@@ -55,7 +55,7 @@ class RayNodes:
     def stop(self) -> None:
         """End every process of our nodes; fail if any survived."""
         sessions = read_sessions(self.session_file)
-        stop_sessions(sessions)
+        stop_sessions(sessions, grace_s=5.0)
         left = alive(session_processes(sessions))  # zombies are gone already, only unreaped
         assert not left, f"Ray processes left running: {sorted(left)}"
 
@@ -98,7 +98,7 @@ def submit_job(nodes: RayNodes, storage: Path, name: str, settings: Sequence[str
     for setting in settings:
         entry += ["--set", setting]
     cmd = [*nodes.prefix, ray_executable(), "job", "submit", "--address", nodes.url, "--submission-id",
-           submission, "--working-dir", str(ROOT), "--", *entry]
+           submission, "--working-dir", str(ROOT), "--runtime-env", str(ROOT / "cluster/runtime_env.yaml"), "--", *entry]
     log = storage / f"{name}.job.log"
     started = time.monotonic()
     with open(log, "w") as out:
