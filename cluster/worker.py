@@ -33,15 +33,25 @@ def record_worker_start(out_dir: str, rank: int, world_size: int, node_ip: str) 
         file.write(json.dumps(line) + "\n")
 
 
+def use_ray_gpu(ray) -> None:
+    """init_groups takes the CUDA device index from LOCAL_RANK (torchrun's convention). Under Ray Train a
+    worker's GPU is its position in the node's shared CUDA_VISIBLE_DEVICES (ray.train.torch.get_device()),
+    which usually, but not necessarily, equals its local rank: hand init_groups Ray's index."""
+    if ray.get_gpu_ids():
+        os.environ["LOCAL_RANK"] = str(ray.train.torch.get_device().index)
+
+
 def train_worker(loop_config: Dict) -> None:
     """Ray Train's train_loop_per_worker: loop_config = {"config": RunConfig, "run_name": str}."""
     ray = import_ray()
+    import_ray("ray.train.torch")
     from ..train.run import run  # after Ray Train set up the process group and the rank variables
 
     config = loop_config["config"]
     context = ray.train.get_context()
     record_worker_start(config.output.out_dir, context.get_world_rank(), context.get_world_size(),
                         ray.util.get_node_ip_address())
+    use_ray_gpu(ray)
     # A restarted worker group continues from the newest complete checkpoint of this run (none at first).
     config.output.resume = config.output.resume or "auto"
     run(config, coordinator_factory=coordinator_factory(loop_config["run_name"], config.parallel.timeout_s))

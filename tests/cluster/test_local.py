@@ -22,7 +22,7 @@ def _wait_for(predicate, timeout_s=10.0):
 
 def test_stop_sessions_ends_the_session_and_nothing_else():
     script = f"sleep 300 & {sys.executable} -c '{PGID_CHANGER}' & sleep 300"
-    leader = subprocess.Popen(["sh", "-c", script], start_new_session=True)
+    leader = subprocess.Popen(["sh", "-c", script], start_new_session=True, stderr=subprocess.DEVNULL)
     outsider = subprocess.Popen(["sleep", "300"])  # our own session: must survive
     try:
         _wait_for(lambda: len(session_processes([leader.pid])) == 4)  # sh, 2 sleeps, python
