@@ -23,8 +23,10 @@ def ray_head():
     try:
         yield nodes
     finally:
-        nodes.stop()
-        shutil.rmtree(nodes.temp_dir, ignore_errors=True)
+        try:
+            nodes.stop()
+        finally:
+            shutil.rmtree(nodes.temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

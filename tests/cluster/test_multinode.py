@@ -105,7 +105,10 @@ def test_job_spans_two_nodes_across_a_network_interface(namespaces, reference_ru
         job = submit_job(head, tmp_path, "two-nodes", SETTINGS)
         crossed = interface_bytes(namespaces.head) - before
     finally:
-        head.stop()
+        try:
+            head.stop()
+        finally:
+            shutil.rmtree(head.temp_dir, ignore_errors=True)
     assert job.succeeded, job.output[-4000:]
     print(f"{crossed} bytes crossed {IFNAME} during the job")
     summary = job.summary()
