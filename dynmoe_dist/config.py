@@ -197,6 +197,13 @@ class FaultConfig:
     """Rank that crashes when crash_at_step is set."""
     crash_once_file: str = ""
     """If set, crash only while this marker file does not exist (it is created at the crash)."""
+    coordinator_crash_version: int = 0
+    """Fault injection for tests (Ray coordinator): the plan actor dies when the first statistics for this
+    plan version arrive, losing them; Ray restarts it and the workers re-send (0 = off)."""
+
+    def __post_init__(self):
+        _require(self.coordinator_crash_version >= 0,
+                 f"fault.coordinator_crash_version ({self.coordinator_crash_version}) must be >= 0")
 
 
 SECTIONS = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 from pathlib import Path
@@ -22,9 +23,18 @@ def make_coordinator(trainer: Trainer, factory: Optional[Callable] = None):
     if factory is not None and choice in ("auto", "ray"):
         return factory(trainer.groups)
     if choice == "ray":
-        raise ValueError("parallel.coordinator ('ray') needs the Ray job entry point: "
-                         "python -m dynmoe_dist.cluster.submit (see docs/multinode.md)")
+        raise ValueError(ray_coordinator_hint())
     return CollectiveCoordinator(trainer.groups)
+
+
+def ray_coordinator_hint() -> str:
+    """Why parallel.coordinator='ray' cannot work here; names the extra to install when Ray is missing.
+    (find_spec looks Ray up without importing it: train/ never imports Ray.)"""
+    entry = "python -m dynmoe_dist.cluster.submit (see docs/multinode.md)"
+    if importlib.util.find_spec("ray") is None:
+        return (f"parallel.coordinator ('ray') needs Ray, which is not installed: pip install 'dynmoe_dist[ray]', "
+                f"then submit the job with {entry}")
+    return f"parallel.coordinator ('ray') needs the Ray job entry point: {entry}"
 
 
 def maybe_crash(config: RunConfig, trainer: Trainer) -> None:
