@@ -16,7 +16,7 @@ import shlex
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -105,11 +105,14 @@ def check_overrides(overrides: Sequence[str]) -> None:
 
 
 def build_config(task: str, spec: ModelSpec, seed: int, epochs: int, out_dir: Path,
-                 overrides: Sequence[str] = (), eval_every: int = 0) -> RunConfig:
-    """One run's config: task preset < user --set overrides < the model's router < the run's own fields."""
+                 overrides: Sequence[str] = (), eval_every: int = 0, dynmoe_overrides: Sequence[str] = ()) -> RunConfig:
+    """One run's config: task preset < --set < --dynmoe-set (DynMoE runs only) < the model's router < the
+    run's own fields."""
     if task not in TASK_PRESETS:
         raise ValueError(f"--task ({task!r}) must be one of {', '.join(TASK_PRESETS)}")
-    check_overrides(overrides)
+    check_overrides([*overrides, *dynmoe_overrides])
+    if spec.name.startswith("dynmoe"):
+        overrides = [*overrides, *dynmoe_overrides]
     own = [f"task.name='{task}'", f"train.epochs={epochs}", f"train.seed={seed}", f"train.eval_every={eval_every}",
            f"output.out_dir='{run_dir(out_dir, spec.name, seed).as_posix()}'", "output.progress=false",
            "output.tensorboard=false"]
@@ -200,10 +203,11 @@ class Plan:
     overrides: List[str]
     world_size: int
     steps_per_epoch: int
+    dynmoe_overrides: List[str] = field(default_factory=list)
 
     def config(self, model: str, seed: int) -> RunConfig:
         return build_config(self.task, MODELS[model], seed, self.epochs, self.out_dir, self.overrides,
-                            eval_every=self.steps_per_epoch)
+                            eval_every=self.steps_per_epoch, dynmoe_overrides=self.dynmoe_overrides)
 
 
 def make_plan(args) -> Plan:
@@ -212,9 +216,9 @@ def make_plan(args) -> Plan:
     if args.world_size < 1:
         raise ValueError(f"--world-size ({args.world_size}) must be >= 1")
     models, seeds = parse_models(args.models), parse_seeds(args.seeds)
-    probe = build_config(args.task, MODELS[models[0]], seeds[0], args.epochs, Path(args.out), args.overrides)
+    first = build_config(args.task, MODELS[models[0]], seeds[0], args.epochs, Path(args.out), args.overrides)
     plan = Plan(args.task, models, seeds, args.epochs, Path(args.out), list(args.overrides), args.world_size,
-                steps_per_epoch(probe))
+                steps_per_epoch(first), list(args.dynmoe_overrides))
     for model in models:  # every config must validate before hours of training start
         for seed in seeds:
             plan.config(model, seed)
@@ -250,7 +254,8 @@ def settings_lines(plan: Plan) -> List[str]:
         f"AdamW lr {c.train.lr:g} (warm-up {c.train.warmup_steps} steps, cosine to {c.train.min_lr_ratio:g}x), "
         f"weight decay {c.train.weight_decay:g}, {c.train.precision}",
         f"- seeds: {', '.join(map(str, plan.seeds))}; world size {plan.world_size}",
-        f"- extra overrides: {' '.join(plan.overrides) if plan.overrides else 'none'}",
+        f"- extra overrides: {' '.join(plan.overrides) if plan.overrides else 'none'}; DynMoE runs only: "
+        f"{' '.join(plan.dynmoe_overrides) if plan.dynmoe_overrides else 'none'}",
     ]
 
 
@@ -285,10 +290,11 @@ def write_outputs(plan: Plan, rows: Sequence[ModelRow], command: str, wall_s: fl
     paths["md"].write_text(results_markdown(plan, rows, command, wall_s))
     settings = {"task": plan.task, "models": plan.models, "seeds": plan.seeds, "epochs": plan.epochs,
                 "steps_per_epoch": plan.steps_per_epoch, "world_size": plan.world_size,
-                "overrides": plan.overrides, "command": command, "wall_s": wall_s,
+                "overrides": plan.overrides, "dynmoe_overrides": plan.dynmoe_overrides, "command": command, "wall_s": wall_s,
                 "config_of_first_run": plan.config(plan.models[0], plan.seeds[0]).to_dict()}
     paths["json"].write_text(json.dumps({"settings": settings, "models": [r.to_dict() for r in rows]}, indent=1))
-    draw_comparison(rows, paths["png"], title=f"{plan.task}: top-k vs DynMoE, {plan.epochs} epochs")
+    draw_comparison(rows, paths["png"], title=f"{plan.task}: {len(rows)} models, {plan.epochs} epochs, "
+                                                           f"{len(plan.seeds)} seed(s)")
     return paths
 
 
@@ -308,6 +314,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "one process, the cheapest on a small machine; results agree across world sizes)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a run option for every model (repeatable), e.g. --set train.lr=0.001")
+    p.add_argument("--dynmoe-set", dest="dynmoe_overrides", action="append", default=[],
+                   metavar="SECTION.KEY=VALUE", help="override a run option for the DynMoE models only "
+                   "(repeatable), e.g. --dynmoe-set 'moe.aux_losses=[\"diverse\", \"simple\"]' (the original "
+                   "paper's losses; top-k keeps its switch loss)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads in this process (default 1)")
     p.add_argument("--no-reuse", dest="reuse", action="store_false",
                    help="re-run even runs whose directory holds a finished run of the same config")

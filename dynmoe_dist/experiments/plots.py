@@ -66,15 +66,14 @@ def _draw_mean_k(ax, rows: Sequence[ModelRow], styles) -> None:
                label="training, last epoch")
     # At evaluation a DynMoE token that selected nothing falls back to top-1: the k inference pays for.
     ax.scatter(x, [r.eval_k for r in rows], color="tab:red", marker="x", s=40, zorder=4, label="final evaluation")
-    for i, row in enumerate(rows):
-        if _is_dynmoe(row) and row.num_experts:
-            top = np.nanmax([row.mean_k, row.final_k, row.eval_k])
-            ax.annotate(f"{_experts_text(row)}\nexperts", (i, top), textcoords="offset points", xytext=(0, 5),
-                        ha="center", fontsize="x-small")
-    ax.set_xticks(x, [r.label for r in rows], rotation=30, ha="right", fontsize="small")
+    # Expert counts go into the tick labels: annotations above equal-height bars collide with each other.
+    labels = [f"{r.label}\n{_experts_text(r)} experts" if _is_dynmoe(r) and r.num_experts else r.label for r in rows]
+    ax.set_xticks(x, labels, rotation=30, ha="right", fontsize="small")
+    top = np.nanmax([[r.mean_k + r.mean_k_std, r.final_k, r.eval_k] for r in rows])
+    ax.set_ylim(0, 1.35 * top)  # room for the legend above the bars
     ax.set(title="Experts per token (k), mean over MoE layers", ylabel="k")
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(loc="upper right", fontsize="small")
+    ax.legend(loc="upper left", fontsize="small", ncol=2)
 
 
 def draw_comparison(rows: Sequence[ModelRow], out_png: str | Path, title: str = "") -> Path:

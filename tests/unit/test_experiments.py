@@ -170,6 +170,16 @@ def test_build_config_gives_every_model_the_same_budget(tmp_path):
     assert top4.output.out_dir == (tmp_path / "runs" / "top4" / "seed7").as_posix()
 
 
+def test_dynmoe_set_reaches_only_dynmoe_runs(tmp_path):
+    paper_losses = ['moe.aux_losses=["diverse", "simple"]']
+    top2, dyn = (compare.build_config("synthetic", compare.MODELS[name], 0, 1, tmp_path, dynmoe_overrides=paper_losses)
+                 for name in ("top2", "dynmoe-average"))
+    assert (top2.moe.aux_losses, dyn.moe.aux_losses) == (("switch",), ("diverse", "simple"))
+    with pytest.raises(ValueError, match="adaptive.expert_init is set by compare"):
+        compare.build_config("synthetic", compare.MODELS["top2"], 0, 1, tmp_path,
+                             dynmoe_overrides=["adaptive.expert_init='random'"])
+
+
 TINY = ["--task", "synthetic", "--epochs", "2", "--models", "top2,dynmoe-average", "--seeds", "0",
         "--set", "task.num_samples=160", "--set", "model.dim=16", "--set", "model.ffn_dim=16",
         "--set", "train.global_batch_size=16"]
