@@ -1,6 +1,7 @@
 """Frozen-MiniLM baseline for minilm-sentiment: sentence embeddings + logistic regression.
 
-``python -m dynmoe_dist.experiments.baseline [--max-len 64] [--num-layers 6] ...`` prints one JSON object.
+``python -m dynmoe_dist.experiments.baseline [--max-len 64] [--num-layers 6] ...`` (or
+``python -m dynmoe_dist.experiments baseline ...``) prints one JSON object.
 
 Shape legend: N samples, L tokens, D hidden dim.
 
@@ -59,8 +60,8 @@ def run(args) -> dict:
     }
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog: str = "python -m dynmoe_dist.experiments.baseline") -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--max-len", type=int, default=64)
     parser.add_argument("--test-fraction", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=1234)

@@ -1,0 +1,44 @@
+"""`python -m dynmoe_dist.experiments SUBCOMMAND [options]`.
+
+    compare    top-k vs DynMoE under the same budget: results.md, results.json, comparison.png
+    baseline   frozen-MiniLM + logistic regression on minilm-sentiment (one JSON line)
+
+`python -m dynmoe_dist.experiments SUBCOMMAND --help` lists a subcommand's options.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+PROG = "python -m dynmoe_dist.experiments"
+
+
+def _compare(argv):
+    from .compare import main
+    main(argv, prog=f"{PROG} compare")
+
+
+def _baseline(argv):
+    from .baseline import main
+    main(argv, prog=f"{PROG} baseline")
+
+
+SUBCOMMANDS = {"compare": _compare, "baseline": _baseline}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    if argv[0] not in SUBCOMMANDS:
+        print(f"{PROG}: error: unknown subcommand ({argv[0]!r}); choose from {', '.join(SUBCOMMANDS)}",
+              file=sys.stderr)
+        return 2
+    SUBCOMMANDS[argv[0]](argv[1:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
