@@ -102,6 +102,8 @@ class TrainConfig:
     """'float32', 'float64' (exactness tests) or 'bf16' (autocast; gate math and master weights stay fp32)."""
     log_every: int = 1
     """Write a metrics.jsonl line every N steps."""
+    threads: int = 0
+    """torch threads per process (0 = torch's default; torchrun already sets 1 per rank on CPU)."""
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
@@ -114,6 +116,7 @@ class TrainConfig:
         _require(self.lr > 0, f"train.lr ({self.lr}) must be > 0")
         _require(self.precision in PRECISIONS, f"train.precision ({self.precision!r}) must be one of {PRECISIONS}")
         _require(self.log_every >= 1, f"train.log_every ({self.log_every}) must be >= 1")
+        _require(self.threads >= 0, f"train.threads ({self.threads}) must be >= 0")
 
 
 @dataclass
@@ -183,6 +186,8 @@ class OutputConfig:
     """Draw report.png at the end (needs the 'report' extra)."""
     checkpoint_every: int = 0
     """Write a checkpoint every N optimizer steps (0 = only at the end)."""
+    final_checkpoint: bool = True
+    """Write a checkpoint when the run ends."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept on disk (older ones are deleted after a new one is complete)."""
     resume: str = ""
@@ -235,7 +240,8 @@ class RunConfig:
         lines = []
         for name, values in self.to_dict().items():
             lines.append(f"[{name}]")
-            lines += [f"{key} = {_toml_value(value)}" for key, value in values.items() if value is not None]
+            lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()
+                      if value is not None and not (name == "moe" and key in DERIVED_MOE_KEYS)]
             lines.append("")
         return "\n".join(lines)
 
@@ -266,7 +272,15 @@ def _check_keys(section: str, values: Dict[str, Any]) -> None:
             raise ValueError(f"unknown key {section}.{key}; valid keys of [{section}]: {', '.join(valid)}")
 
 
+# The model section decides these for every MoE layer; accepting them here would silently do nothing.
+DERIVED_MOE_KEYS = ("dim", "ffn_dim")
+
+
 def from_dict(data: Dict[str, Dict[str, Any]]) -> RunConfig:
+    for key in DERIVED_MOE_KEYS:
+        if key in data.get("moe", {}):
+            raise ValueError(f"moe.{key} is taken from the model (model.{key} for built models, the pre-trained "
+                             f"block for minilm-sentiment); set model.{key} instead")
     sections = {}
     for name, values in data.items():
         if name not in SECTIONS:

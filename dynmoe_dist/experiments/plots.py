@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..train.report import _matplotlib
+from ..train.report import matplotlib_canvas
 from .summary import ModelRow
 
 
@@ -80,7 +80,7 @@ def draw_comparison(rows: Sequence[ModelRow], out_png: str | Path, title: str = 
     """Accuracy curves (left) and the mean-k bar chart (right) in one PNG; returns its path."""
     if not rows:
         raise ValueError("no model rows to draw")
-    Figure, FigureCanvasAgg = _matplotlib()
+    Figure, FigureCanvasAgg = matplotlib_canvas()
     fig = Figure(figsize=(18, 5.5))
     FigureCanvasAgg(fig)
     grid = fig.add_gridspec(1, 3, width_ratios=(1.3, 1, 1))

@@ -43,6 +43,8 @@ class StepTotals:
 class Trainer:
     def __init__(self, config: RunConfig):
         self.config = config
+        if config.train.threads:
+            torch.set_num_threads(config.train.threads)
         self.world_size = dist.get_world_size() if dist.is_initialized() else world_from_env()
         # Everything checkable without communication is checked before the first collective.
         self.task = build_task(config.task)

@@ -202,7 +202,7 @@ EVENT_STYLE = {
 }
 
 
-def _matplotlib():
+def matplotlib_canvas():
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -352,7 +352,7 @@ def _event_legend(fig, series: ReportSeries) -> None:
 
 def draw_series(series: ReportSeries, out_png: str | Path, title: str, max_bins: int = 300) -> Path:
     """Draw the report figure of ``series`` to ``out_png``."""
-    Figure, FigureCanvasAgg = _matplotlib()
+    Figure, FigureCanvasAgg = matplotlib_canvas()
     num_layers = len(series.layers)
     num_rows = 1 + (2 + num_layers if num_layers else 0)
     fig = Figure(figsize=(15, 3.4 * num_rows + 0.8), layout="constrained")

@@ -66,7 +66,8 @@ def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factor
     checkpoints = CheckpointManager(trainer)
     adaptive = AdaptiveController(trainer, make_coordinator(trainer, coordinator_factory)) if config.adaptive.enabled else None
     trainer.adaptive = adaptive
-    checkpoints.resume(config.output.resume)
+    if checkpoints.resume(config.output.resume) is None and trainer.is_rank0:
+        archive_previous_run(Path(config.output.out_dir))
     total = trainer.schedule.total_steps
     out = config.output
     with Telemetry(out.out_dir, total, rank0=trainer.is_rank0, progress=out.progress,
@@ -86,12 +87,31 @@ def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factor
                  **trainer.evaluate(), "wall_s": time.perf_counter() - started,
                  "num_experts": [layer.num_experts for layer in trainer.moe_layers]}
         telemetry.log(final)
-    checkpoints.save()
+    if out.final_checkpoint:
+        checkpoints.save()
     if trainer.is_rank0 and out.report:
         final["report"] = str(draw_run_report(Path(out.out_dir)))
     barrier(trainer.groups, "end of run")
     final["rank0"] = trainer.is_rank0
     return final
+
+
+RUN_FILES = ("metrics.jsonl", "tensorboard", "checkpoints", "report.png")
+
+
+def archive_previous_run(out_dir: Path) -> Optional[Path]:
+    """A fresh start in a directory that holds an earlier run moves that run's files to
+    OUT/previous/<time>/ instead of appending to them or deleting them."""
+    present = [out_dir / name for name in RUN_FILES if (out_dir / name).exists()]
+    if not present:
+        return None
+    stamp, n = time.strftime("%Y%m%d-%H%M%S"), 0
+    while (target := out_dir / "previous" / (stamp + (f"-{n}" if n else ""))).exists():
+        n += 1
+    target.mkdir(parents=True)
+    for path in present:
+        path.rename(target / path.name)
+    return target
 
 
 def draw_run_report(out_dir: Path) -> Optional[Path]:

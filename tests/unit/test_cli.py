@@ -59,3 +59,18 @@ def test_gradient_accumulation_matches_one_big_batch():
 
     for a, b in zip(losses(1), losses(2)):
         assert a == pytest.approx(b, rel=1e-10)
+
+
+def test_fresh_run_in_used_directory_archives_the_old_run(tmp_path, capsys):
+    assert main(TINY + ["--out-dir", str(tmp_path)]) == 0
+    assert main(TINY + ["--out-dir", str(tmp_path), "--set", "output.final_checkpoint=false"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "step"] == [1, 2, 3, 4, 5, 6]
+    archived = list((tmp_path / "previous").iterdir())
+    assert len(archived) == 1 and (archived[0] / "metrics.jsonl").is_file() and (archived[0] / "checkpoints").is_dir()
+    assert not (tmp_path / "checkpoints").exists()  # final_checkpoint=false wrote none this time
+
+
+def test_moe_dim_is_refused_with_a_pointer_to_model_dim(capsys):
+    assert main(["--set", "moe.ffn_dim=999"]) == 2
+    assert "moe.ffn_dim is taken from the model" in capsys.readouterr().err
