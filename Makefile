@@ -24,8 +24,9 @@ test: setup
 test-slow: setup
 	sh launcher/loopback.sh $(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
+# The main job: MiniLM + DynMoE finetune on 2 simulated CPU ranks (gloo), expert parallel.
 quickstart: setup
-	sh launcher/loopback.sh $(PY) -m dynmoe_dist.train --config launcher/configs/quickstart.toml
+	sh launcher/loopback.sh env PYTHON=$(PY) sh launcher/torchrun.sh 2 --config launcher/configs/quickstart.toml
 
 clean:
 	rm -rf $(VENV) runs .cache

@@ -173,15 +173,14 @@ def init_strategy(strategy: str, counts: List[float], kept: List[int], removed: 
 def estimated_loads(counts, kept, added, stats: WindowStats, history=None) -> List[float]:
     """Rows each expert of the new set will take: its window count (averaged with the history when given).
     A new expert takes the unrouted tokens (shared among the new experts) and, its threshold starting
-    at 0, at least as many as an average kept expert: measured, new experts attract far more than the
-    unrouted tokens alone."""
+    at 0, about as many as the busiest kept expert: measured (bench adapt), a new expert attracts far
+    more than the unrouted tokens, and estimating it at the mean load left ranks 1.5x imbalanced."""
     loads = [counts[e] for e in kept]
     if history is not None:
         loads = [0.5 * (c + float(history[e])) for c, e in zip(loads, kept)]
     if not added:
         return loads
-    mean_kept = sum(loads) / len(loads) if loads else 0.0
-    share = max(stats.num_unrouted / len(added), mean_kept)
+    share = max([stats.num_unrouted / len(added)] + loads)
     return loads + [share] * len(added)
 
 
