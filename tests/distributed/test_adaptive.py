@@ -6,6 +6,8 @@
   - replicas stay bitwise identical (weights and optimizer state) over several steps.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -99,9 +101,19 @@ def reference():
     return {"adaptive": adaptive_run(1), "hand": hand_plan_run(1)}
 
 
+@functools.lru_cache(maxsize=None)
+def _cluster(size):
+    return run_simulated(world_worker, size, args=(size,), timeout_s=300)
+
+
 @pytest.fixture(scope="module", params=[2, 3])
 def world(request):
-    return request.param, run_simulated(world_worker, request.param, args=(request.param,), timeout_s=300)
+    return request.param, _cluster(request.param)
+
+
+@pytest.fixture(scope="module")
+def three():
+    return _cluster(3)
 
 
 def _assert_losses(got, want, label):
@@ -121,19 +133,15 @@ def test_adaptive_training_is_world_size_invariant(world, reference):
         assert rank_result["adaptive"][0] == losses
 
 
-def test_same_plan_on_one_and_three_ranks(world, reference):
-    size, results = world
-    if size != 3:
-        pytest.skip("the hand-made plan is checked on 3 ranks")
+def test_same_plan_on_one_and_three_ranks(three, reference):
+    results = three
     ref = reference["hand"]
     _assert_losses(results[0]["hand"]["losses"], ref["losses"], "hand plan")
     assert results[0]["hand"]["num_experts"] == ref["num_experts"] == [5, 5]
 
 
-def test_moved_expert_keeps_optimizer_state_bitwise(world):
-    size, results = world
-    if size != 3:
-        pytest.skip("3 ranks")
+def test_moved_expert_keeps_optimizer_state_bitwise(three):
+    results = three
     before = results[2]["hand"]["moved_before"]  # rank 2 held old expert 4
     after = results[0]["hand"]["moved_after"]    # rank 0 holds it (new id 3) after the plan
     assert before is not None and after is not None
@@ -144,10 +152,8 @@ def test_moved_expert_keeps_optimizer_state_bitwise(world):
             assert torch.equal(state[key], after[name][1][key]) and state[key].dtype == after[name][1][key].dtype
 
 
-def test_replicas_stay_bitwise_identical(world):
-    size, results = world
-    if size != 3:
-        pytest.skip("3 ranks")
+def test_replicas_stay_bitwise_identical(three):
+    results = three
     copies = [r["hand"]["replica"] for r in results]
     assert all(c is not None for c in copies)
     for other in copies[1:]:
