@@ -63,10 +63,14 @@ def autocast_rows(rows_RD: Tensor) -> Tensor:
     return rows_RD
 
 
-def expert_param_shapes(config: MoEConfig) -> List[torch.Size]:
-    """Shapes of one expert's parameters, in parameters() order (built on the meta device)."""
+def expert_param_specs(config: MoEConfig) -> List[tuple]:
+    """(name, shape) of one expert's parameters, in parameters() order (built on the meta device)."""
     with torch.device("meta"):
-        return [p.shape for p in new_expert(config).parameters()]
+        return [(name, p.shape) for name, p in new_expert(config).named_parameters()]
+
+
+def expert_param_shapes(config: MoEConfig) -> List[torch.Size]:
+    return [shape for _, shape in expert_param_specs(config)]
 
 
 def use_grouped_mm(mode: str, rows_RD: Tensor) -> bool:

@@ -23,6 +23,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..moe.experts import expert_param_specs
 from ..moe.layer import MoELayer
 from ..parallel.expert_parallel import install_placement, local_expert_ids
 from ..parallel.groups import barrier, named
@@ -206,7 +207,7 @@ class CheckpointManager:
         modules = []
         for expert in placement.experts_on(groups.ep_rank):
             params = experts[f"{index}/{expert}"]["params"]
-            modules.append(expert_with([params[n].to(like.device) for n, _ in _param_names(layer)], layer.config))
+            modules.append(expert_with([params[n].to(like.device) for n, _ in expert_param_specs(layer.config)], layer.config))
         layer.experts.set_experts(modules)
         install_placement(layer, placement, groups, f"moe{index}")
 
@@ -249,12 +250,6 @@ class CheckpointManager:
                 recorder.window = WindowStats.from_flat(window[offset:offset + size], layer.num_experts,
                                                         layer.config.dim)
             offset += size
-
-
-def _param_names(layer: MoELayer):
-    from ..moe.experts import new_expert
-    with torch.device("meta"):
-        return list(new_expert(layer.config).named_parameters())
 
 
 def _to_device(state: Dict, device) -> Dict:

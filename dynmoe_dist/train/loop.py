@@ -25,6 +25,7 @@ from ..parallel.groups import ParallelGroups, check_same_everywhere, init_groups
 from ..tasks import build_task
 from .data import BatchSchedule, shard
 from .optim import build_optimizer, set_lr
+from ..planning.packing import rank_loads as rank_loads_of
 from .recorder import attach_recorders
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bf16": torch.float32}
@@ -148,7 +149,7 @@ class Trainer:
             num_experts.append(e)
             mean_k.append(k_sum / max(layer_tokens, 1))
             loads.append([int(c) for c in counts])
-            rank_loads.append(rank_load(layer, counts, self.groups.ep_size))
+            rank_loads.append(rank_loads_of(layer.placement, counts) if layer.placement else [float(sum(counts))])
             replicas.append(0 if layer.placement is None else layer.placement.num_slots - e)
         return {"tokens_per_s": tokens / seconds, "num_experts": num_experts, "mean_k": mean_k,
                 "expert_load": loads, "rank_load": rank_loads, "num_replicas": replicas}
@@ -171,14 +172,3 @@ class Trainer:
         self.model.train()
         items = self.task.count_items("test", torch.arange(size))
         return {"test_loss": float(summed[0]) / items, "test_accuracy": float(summed[1]) / size}
-
-
-def rank_load(layer: MoELayer, counts: List[float], ep_size: int) -> List[float]:
-    """Rows each ep rank computes: its experts' rows, a replicated expert's rows shared evenly."""
-    load = [0.0] * ep_size
-    if layer.placement is None:
-        return [float(sum(counts))]
-    for expert, slots in enumerate(layer.placement.replicas):
-        for rank, _ in slots:
-            load[rank] += counts[expert] / len(slots)
-    return load
