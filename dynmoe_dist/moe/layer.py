@@ -151,17 +151,13 @@ class MoELayer(nn.Module):
         # Evaluation needs no aux loss, and skipping it saves the statistics collectives.
         if not self.training or not self.config.aux_losses or self.config.aux_loss_weight == 0:
             return routing.weights.new_zeros(())
-        terms = [self._aux_term(name, routing) for name in self.config.aux_losses]
+        names = self.config.aux_losses
+        # All token statistics of this layer travel in one reduction (one all-reduce under data parallelism).
+        token_names = [n for n in names if n in losses.TOKEN_LOSSES]
+        by_name = dict(zip(token_names, losses.token_losses(token_names, routing, self.reducer.sum)))
+        if "diverse" in names:
+            by_name["diverse"] = losses.diverse_loss(self.router.weight)
+        if "simple" in names:
+            by_name["simple"] = losses.simple_loss(self.router.weight)
+        terms = [by_name[n] for n in names]
         return self.config.aux_loss_weight * self.reducer.loss_scale * torch.stack(terms).sum()
-
-    def _aux_term(self, name: str, routing: Routing) -> Tensor:
-        reduce_sum = self.reducer.sum
-        if name == "diverse":
-            return losses.diverse_loss(self.router.weight)
-        if name == "simple":
-            return losses.simple_loss(self.router.weight)
-        if name == "load_balance":
-            return losses.load_balance_loss(routing, reduce_sum)
-        if name == "efficiency":
-            return losses.efficiency_loss(routing, reduce_sum)
-        return losses.switch_loss(routing.probs, routing, reduce_sum)

@@ -8,7 +8,7 @@ how the batch was split.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, List, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,35 +36,76 @@ def simple_loss(weight_ED: Tensor) -> Tensor:
     return weight_ED.to(gate_dtype(weight_ED)).norm(dim=-1).mean()
 
 
-def load_balance_loss(routing: Routing, reduce_sum: ReduceSum = identity_sum) -> Tensor:
-    """E^2 * mean_e(me_e * ce_e) over tokens with k > 0.
+# -- token-statistic losses: local sums -> one reduction -> the loss of the global batch -------------
+TOKEN_LOSSES = ("load_balance", "efficiency", "switch")
 
-    me_e = mean_t g/k (differentiable: the combine weights), ce_e = mean_t g (no gradient).
-    """
-    num_experts = routing.num_experts
-    routed_T = routing.num_selected > 0
-    weights_TE = routing.weights * routed_T.unsqueeze(-1)
-    selected_TE = (routing.mask & routed_T.unsqueeze(-1)).to(weights_TE.dtype)
-    num_routed = reduce_sum(routed_T.sum().to(weights_TE.dtype).reshape(1)).clamp(min=1)
-    me_E = reduce_sum(weights_TE.sum(dim=0)) / num_routed
-    ce_E = reduce_sum(selected_TE.sum(dim=0)).detach() / num_routed
-    return num_experts**2 * (me_E * ce_E).mean()
+
+def token_sums(name: str, routing: Routing) -> List[Tensor]:
+    """The local (this batch's) sums a token-statistic loss needs, as 1-D tensors in a fixed order."""
+    dtype = routing.weights.dtype
+    num_tokens, num_experts = routing.mask.shape
+    if name == "load_balance":
+        routed_T = routing.num_selected > 0
+        weights_TE = routing.weights * routed_T.unsqueeze(-1)
+        selected_TE = (routing.mask & routed_T.unsqueeze(-1)).to(dtype)
+        return [routed_T.sum().to(dtype).reshape(1), weights_TE.sum(dim=0), selected_TE.sum(dim=0)]
+    if name == "efficiency":
+        count = torch.full((1,), float(num_tokens * num_experts), dtype=dtype, device=routing.mask.device)
+        return [routing.gates.sum().to(dtype).reshape(1), count]
+    if name == "switch":
+        count = torch.full((1,), float(num_tokens), dtype=dtype, device=routing.mask.device)
+        return [routing.mask.to(dtype).sum(dim=0), count, routing.probs.to(dtype).sum(dim=0)]
+    raise ValueError(f"aux loss ({name!r}) has no token statistics; token losses are {TOKEN_LOSSES}")
+
+
+def loss_from_sums(name: str, sums: Sequence[Tensor], num_experts: int) -> Tensor:
+    """The loss from sums over the whole (global) batch."""
+    if name == "load_balance":
+        # E^2 * mean_e(me_e * ce_e) over tokens with k > 0: me_e = mean_t g/k (differentiable: the
+        # combine weights), ce_e = mean_t g (no gradient).
+        num_routed, weight_E, select_E = sums
+        num_routed = num_routed.clamp(min=1)
+        return num_experts**2 * ((weight_E / num_routed) * (select_E.detach() / num_routed)).mean()
+    if name == "efficiency":
+        # mean_{t,e} g[t,e] = mean k / E (straight-through gradient on selected pairs)
+        gates, count = sums
+        return (gates / count.clamp(min=1)).squeeze(0)
+    # switch: E * sum_e f_e * Pbar_e; f_e = share of routed pairs sent to e (no gradient), Pbar_e = mean
+    # router probability of e. Equals 1 under perfectly uniform routing.
+    assigned_E, count, probs_E = sums
+    f_E = assigned_E.detach() / assigned_E.detach().sum().clamp(min=1)
+    return num_experts * (f_E * (probs_E / count.clamp(min=1))).sum()
+
+
+def reduce_together(groups: Sequence[Sequence[Tensor]], reduce_sum: ReduceSum) -> List[List[Tensor]]:
+    """Reduce every sum of every group with ONE call of reduce_sum (one collective under data parallelism)."""
+    flat = [t.reshape(-1) for group in groups for t in group]
+    if not flat:
+        return [[] for _ in groups]
+    reduced = reduce_sum(torch.cat(flat)).split([t.numel() for t in flat])
+    out, index = [], 0
+    for group in groups:
+        out.append([r.reshape(t.shape) for r, t in zip(reduced[index:index + len(group)], group)])
+        index += len(group)
+    return out
+
+
+def token_losses(names: Sequence[str], routing: Routing, reduce_sum: ReduceSum = identity_sum) -> List[Tensor]:
+    sums = reduce_together([token_sums(n, routing) for n in names], reduce_sum)
+    return [loss_from_sums(n, s, routing.num_experts) for n, s in zip(names, sums)]
+
+
+def load_balance_loss(routing: Routing, reduce_sum: ReduceSum = identity_sum) -> Tensor:
+    """E^2 * mean_e(me_e * ce_e) over tokens with k > 0 (see loss_from_sums)."""
+    return token_losses(["load_balance"], routing, reduce_sum)[0]
 
 
 def efficiency_loss(routing: Routing, reduce_sum: ReduceSum = identity_sum) -> Tensor:
-    """mean_{t,e} g[t,e] = mean k / E (straight-through gradient on selected pairs)."""
-    num_tokens, num_experts = routing.gates.shape
-    total = reduce_sum(routing.gates.sum().reshape(1))
-    count = reduce_sum(torch.tensor([float(num_tokens * num_experts)], device=routing.gates.device))
-    return (total / count.clamp(min=1)).squeeze(0)
+    """mean_{t,e} g[t,e] = mean k / E."""
+    return token_losses(["efficiency"], routing, reduce_sum)[0]
 
 
 def switch_loss(probs_TE: Tensor, routing: Routing, reduce_sum: ReduceSum = identity_sum) -> Tensor:
-    """E * sum_e f_e * Pbar_e: f_e = share of routed (token, expert) pairs sent to e (no gradient),
-    Pbar_e = mean router probability of e. Equals 1 under perfectly uniform routing."""
-    num_tokens, num_experts = probs_TE.shape
-    assigned_E = reduce_sum(routing.mask.to(probs_TE.dtype).sum(dim=0)).detach()
-    f_E = assigned_E / assigned_E.sum().clamp(min=1)
-    count = reduce_sum(torch.tensor([float(num_tokens)], device=probs_TE.device))
-    pbar_E = reduce_sum(probs_TE.sum(dim=0)) / count.clamp(min=1)
-    return num_experts * (f_E * pbar_E).sum()
+    """E * sum_e f_e * Pbar_e with the probabilities probs_TE."""
+    routing = Routing(routing.mask, routing.weights, routing.num_selected, routing.gates, probs_TE)
+    return token_losses(["switch"], routing, reduce_sum)[0]
