@@ -29,8 +29,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..coordination import CollectiveCoordinator, PlanRequest, flatten_stats, unflatten_stats, verify_plan
-from ..parallel.groups import named
+from ..coordination import CollectiveCoordinator, PlanRequest
 from ..parallel.simulate import run_simulated
 from ..planning.planner import Plan
 
@@ -50,20 +49,11 @@ class TimedCoordinator(CollectiveCoordinator):
 
     def submit(self, request: PlanRequest, local_stats) -> Plan:
         clock = time.perf_counter()
-        flat = flatten_stats(local_stats)
-        if self.groups.distributed:
-            with named("window statistics all_reduce", self.groups):
-                dist.all_reduce(flat)
+        flat = self.reduce_stats(local_stats)
         self.phases["stats_all_reduce_s"], clock = time.perf_counter() - clock, time.perf_counter()
-        payload: List = [None, None]
-        if self.groups.rank == 0:
-            plan_ = request.make_plan(unflatten_stats(flat, request, local_stats), self.name)
-            payload = [plan_, plan_.digest()]
+        payload = self.plan_on_rank0(request, flat, local_stats)
         self.phases["plan_s"], clock = time.perf_counter() - clock, time.perf_counter()
-        if self.groups.distributed:
-            with named("plan broadcast", self.groups):
-                dist.broadcast_object_list(payload, src=0)
-        plan_ = verify_plan(payload[0], payload[1], request, self.groups.rank)
+        plan_ = self.share(payload, request)
         self.phases["plan_broadcast_s"] = time.perf_counter() - clock
         return plan_
 

@@ -6,7 +6,7 @@ field name and the value in the message, before any tensor or collective exists.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 ROUTERS = ("top_any", "top_k", "top_p")

@@ -8,7 +8,7 @@ reducer for the auxiliary losses) from ``dynmoe_dist.parallel``; the layer's cod
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, List, Protocol, Tuple
 
 import torch

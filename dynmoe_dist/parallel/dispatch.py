@@ -17,7 +17,7 @@ the frozen ``A2AMeta``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List
 
 import torch

@@ -24,7 +24,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from ..moe.experts import expert_param_shapes
 from ..moe.layer import MoELayer, find_moe_layers
 from .expert_parallel import local_expert_ids
-from .groups import ParallelGroups, named
+from .groups import ParallelGroups, named, sum_over_ranks
 
 
 def expert_param_ids(model: nn.Module) -> set:
@@ -117,9 +117,8 @@ class GradSync:
             expert_sq += share * sum(float(p.grad.double().pow(2).sum()) for p in params)
         if self.groups.distributed and self.groups.ep_size > 1:
             total = torch.tensor([expert_sq], dtype=torch.float64)
-            with named("gradient norm all_reduce (ep group)", self.groups):
-                dist.all_reduce(total, group=self.groups.ep_group)
-            expert_sq = float(total)
+            expert_sq = float(sum_over_ranks(total, self.groups, "gradient norm all_reduce (ep group)",
+                                             self.groups.ep_group))
         return math.sqrt(dense_sq + expert_sq)
 
     def clip(self, max_norm: float) -> float:

@@ -166,6 +166,19 @@ def named(what: str, groups: Optional[ParallelGroups] = None):
         raise CollectiveError(f"collective '{what}' failed{where}: {err}") from err
 
 
+def sum_over_ranks(t: torch.Tensor, groups: ParallelGroups, what: str, group=None) -> torch.Tensor:
+    """Sum a tensor over `group` (default: the world), in place, and return it. Host-side tensors
+    (metrics, statistics) make a round trip through the device: NCCL reduces device tensors only."""
+    if not groups.distributed:
+        return t
+    work = t if t.device == groups.device else t.to(groups.device)
+    with named(what, groups):
+        dist.all_reduce(work, group=group)
+    if work is not t:
+        t.copy_(work)
+    return t
+
+
 def all_gather_object(obj, groups: ParallelGroups, what: str) -> List[Any]:
     if not groups.distributed:
         return [obj]

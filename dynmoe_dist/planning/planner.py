@@ -12,11 +12,9 @@ and added experts follow. ``LayerPlan.kept[new_id]`` is the old id of a kept exp
 from __future__ import annotations
 
 import hashlib
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-import torch
 
 from .packing import pack_experts, rank_loads
 from .placement import Placement

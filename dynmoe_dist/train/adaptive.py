@@ -7,7 +7,7 @@ change it): by default from 1/3 to 2/3 of every epoch, or of every ``period_step
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 from ..coordination import Coordinator, PlanRequest
 from ..parallel.migrate import apply_layer_plan

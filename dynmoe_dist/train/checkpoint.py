@@ -21,12 +21,11 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
 from ..moe.experts import expert_param_specs
 from ..moe.layer import MoELayer
 from ..parallel.expert_parallel import install_placement, local_expert_ids
-from ..parallel.groups import barrier, named
+from ..parallel.groups import barrier, sum_over_ranks
 from ..parallel.migrate import expert_with
 from ..planning.placement import Placement
 from ..planning.stats import WindowStats
@@ -113,10 +112,7 @@ class CheckpointManager:
         if not recorders or recorders[0].window is None:
             return None
         flat = torch.cat([r.window.to_flat() for r in recorders])
-        if self.trainer.groups.distributed:
-            with named("checkpoint window statistics all_reduce", self.trainer.groups):
-                dist.all_reduce(flat)
-        return flat
+        return sum_over_ranks(flat, self.trainer.groups, "checkpoint window statistics all_reduce")
 
     def _state_of(self, p) -> Dict:
         return {k: v.detach().cpu().clone() if torch.is_tensor(v) else v

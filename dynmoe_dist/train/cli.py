@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from ..config import load_config, options_help
+from ..config import RunConfig, load_config, options_help
 
 
 def parser() -> argparse.ArgumentParser:

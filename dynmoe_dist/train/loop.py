@@ -9,10 +9,9 @@ per-step loss on any number of ranks and any ep size (up to floating-point summa
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -21,7 +20,8 @@ from ..config import RunConfig
 from ..moe.layer import MoELayer, find_moe_layers
 from ..parallel.expert_parallel import parallelize
 from ..parallel.grads import GradSync
-from ..parallel.groups import ParallelGroups, check_same_everywhere, init_groups, named, resolve_ep_size, world_from_env
+from ..parallel.groups import (ParallelGroups, check_same_everywhere, init_groups, resolve_ep_size, sum_over_ranks,
+                               world_from_env)
 from ..tasks import build_task
 from .data import BatchSchedule, shard
 from .optim import build_optimizer, set_lr
@@ -121,10 +121,7 @@ class Trainer:
 
     # -- metrics -----------------------------------------------------------------------------------
     def _sum_over_ranks(self, vector: torch.Tensor, what: str) -> torch.Tensor:
-        if self.groups.distributed:
-            with named(what, self.groups):
-                dist.all_reduce(vector)
-        return vector
+        return sum_over_ranks(vector, self.groups, what)
 
     def _step_record(self, totals: StepTotals, seconds: float, lr: float) -> Dict:
         head = torch.tensor([totals.loss_sum, totals.correct, totals.items, totals.aux], dtype=torch.float64)

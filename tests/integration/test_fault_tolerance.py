@@ -2,7 +2,6 @@
 restart the group, which resumes from the last checkpoint and ends with the same final metrics as an
 uninterrupted run."""
 
-import json
 
 from test_torchrun import torchrun_losses
 

@@ -8,7 +8,6 @@ from dynmoe_dist.moe import MoEConfig, MoELayer
 from dynmoe_dist.parallel.expert_parallel import parallelize
 from dynmoe_dist.parallel.groups import single_process
 from dynmoe_dist.parallel.migrate import apply_layer_plan
-from dynmoe_dist.planning.placement import Placement
 from dynmoe_dist.planning.planner import PlannerConfig, plan_layer
 from dynmoe_dist.planning.stats import WindowStats
 

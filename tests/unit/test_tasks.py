@@ -9,7 +9,6 @@ import zipfile
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from dynmoe_dist.config import ModelConfig, RunConfig, TaskConfig
 from dynmoe_dist.moe import MoEConfig, MoELayer
