@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -62,7 +63,16 @@ class RayNodes:
 
 def start_head(node_ip: str = "127.0.0.1", num_cpus: int = 2, prefix: Sequence[str] = (),
                env: Optional[Dict[str, str]] = None, port: int = 0, dashboard_port: int = 0) -> RayNodes:
-    """A head node; the caller must call .stop() (also when this raises: the session file is written first)."""
+    """A head node; the caller must call .stop(). One retry on fresh ports: `ray start` picks further ports
+    of its own, and on a busy machine one of them (or ours, between free_port and its use) can be taken."""
+    try:
+        return _start_head_once(node_ip, num_cpus, prefix, env, port, dashboard_port)
+    except RuntimeError as err:
+        print(f"ray start failed once, retrying on fresh ports:\n{err}", file=sys.stderr, flush=True)
+        return _start_head_once(node_ip, num_cpus, prefix, env, port, dashboard_port)
+
+
+def _start_head_once(node_ip, num_cpus, prefix, env, port, dashboard_port) -> RayNodes:
     temp_dir = Path(tempfile.mkdtemp(prefix="dmray-", dir="/tmp"))  # short: Ray's socket paths are limited
     nodes = RayNodes(temp_dir, node_ip, port or free_port(), dashboard_port or free_port(), tuple(prefix),
                      env if env is not None else local_env())
@@ -71,6 +81,7 @@ def start_head(node_ip: str = "127.0.0.1", num_cpus: int = 2, prefix: Sequence[s
                    nodes.session_file, nodes.env, prefix=nodes.prefix)
     except BaseException:
         nodes.stop()
+        shutil.rmtree(temp_dir, ignore_errors=True)
         raise
     return nodes
 
