@@ -20,7 +20,8 @@ if [ "${1:-}" = "--local" ]; then
     "$PYTHON" -m dynmoe_dist.cluster.local start --temp-dir "$TEMP_DIR" --num-cpus "${RAY_NUM_CPUS:-2}" \
         --port "${RAY_PORT:-6380}" --dashboard-port "${RAY_DASHBOARD_PORT:-8265}"
     RAY_ADDRESS=http://127.0.0.1:${RAY_DASHBOARD_PORT:-8265}
-    JOB_PYTHON=${JOB_PYTHON:-$(command -v "$PYTHON")}
+    # Absolute: the job runs in Ray's unpacked copy of the working dir, where a relative path is wrong.
+    JOB_PYTHON=${JOB_PYTHON:-$("$PYTHON" -c 'import sys; print(sys.executable)')}
 fi
 : "${RAY_ADDRESS:?set RAY_ADDRESS=http://HEAD:8265 (the head's dashboard address), or pass --local}"
 # `python -m ray.scripts.scripts` is the `ray` command of PYTHON's environment.
