@@ -101,7 +101,7 @@ class ExpertBank(nn.Module):
     def forward(self, rows_RD: Tensor, counts_e: Tensor) -> Tensor:
         rows_RD = autocast_rows(rows_RD)
         if len(self.experts) == 0 or rows_RD.shape[0] == 0:
-            return rows_RD.new_zeros(rows_RD.shape) + 0.0 * rows_RD
+            return 0.0 * rows_RD  # zeros that stay in the graph: the backward exchange must still run
         if use_grouped_mm(self.config.expert_compute, rows_RD):
             return self._grouped(rows_RD, counts_e)
         return self._loop(rows_RD, counts_e)
@@ -128,12 +128,9 @@ class ExpertBank(nn.Module):
         return out_RD
 
     # -- growing and shrinking for real: absent experts cost no memory and no compute -------------
-    def keep(self, local_slots: Sequence[int]) -> List[FeedForward]:
-        """Keep only the given slots (in that order); returns the experts that were dropped."""
-        kept = [self.experts[i] for i in local_slots]
-        dropped = [e for i, e in enumerate(self.experts) if i not in set(local_slots)]
-        self.experts = nn.ModuleList(kept)
-        return dropped
+    def keep(self, local_slots: Sequence[int]) -> None:
+        """Keep only the given slots, in that order (the others are freed)."""
+        self.experts = nn.ModuleList(self.experts[i] for i in local_slots)
 
     def set_experts(self, experts: Sequence[FeedForward]) -> None:
         self.experts = nn.ModuleList(experts)

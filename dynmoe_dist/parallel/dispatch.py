@@ -114,7 +114,6 @@ class A2AMeta:
     local_order_Q: Tensor
     """Received row i of the expert-contiguous layout was row local_order_Q[i] of the wire layout."""
     num_tokens: int
-    out_dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -175,7 +174,7 @@ class AllToAllDispatcher:
         local_order_Q, counts_e = _expert_contiguous_order(recv_counts_We)
         self._count(rows_RD, send_splits, recv_splits)
         meta = A2AMeta(token_R, pairs.weight_R[order_R], send_splits, recv_splits, local_order_Q,
-                       x_TD.shape[0], x_TD.dtype)
+                       x_TD.shape[0])
         return recv_QD.index_select(0, local_order_Q), counts_e, meta
 
     def combine(self, rows_QD: Tensor, meta: A2AMeta) -> Tensor:

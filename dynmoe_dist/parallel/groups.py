@@ -200,8 +200,3 @@ def barrier(groups: ParallelGroups, what: str) -> None:
     if groups.distributed:
         with named(what, groups):
             dist.barrier()
-
-
-def destroy() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()

@@ -10,8 +10,6 @@ experts (one per crowded neighbourhood) instead of several copies of the same ga
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
-
 import torch
 from torch import Tensor
 
@@ -28,8 +26,9 @@ class WindowStats:
     """Tokens per selected count k, float64."""
 
     @classmethod
-    def empty(cls, num_experts: int, dim: int, max_experts: int) -> "WindowStats":
-        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float64)  # noqa: E731
+    def empty(cls, num_experts: int, dim: int, max_experts: int, device="cpu") -> "WindowStats":
+        """Zeros on `device`: recording on the layer's device needs no host sync per forward."""
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=device)  # noqa: E731
         return cls(zeros(num_experts), zeros(num_experts, dim), zeros(num_experts), zeros(max_experts + 1))
 
     @property
@@ -46,12 +45,13 @@ class WindowStats:
 
     def add_tokens(self, selected_TE: Tensor, scores_TE: Tensor, x_TD: Tensor) -> None:
         """Record a batch: selected_TE is the bool selection before any k = 0 fallback."""
-        selected_TE = selected_TE.detach().cpu()
+        device = self.counts_E.device
+        selected_TE, scores_TE, x_TD = (t.detach().to(device) for t in (selected_TE, scores_TE, x_TD))
         k_T = selected_TE.sum(dim=-1)
         unrouted_T = k_T == 0
-        nearest_U = scores_TE.detach().cpu()[unrouted_T].argmax(dim=-1)
+        nearest_U = scores_TE[unrouted_T].argmax(dim=-1)
         self.counts_E += selected_TE.sum(dim=0).double()
-        self.unrouted_sum_ED.index_add_(0, nearest_U, x_TD.detach().double().cpu()[unrouted_T])
+        self.unrouted_sum_ED.index_add_(0, nearest_U, x_TD.double()[unrouted_T])
         self.num_unrouted_E += torch.bincount(nearest_U, minlength=self.counts_E.numel()).double()
         self.k_hist_K += torch.bincount(k_T.clamp(max=self.k_hist_K.numel() - 1),
                                         minlength=self.k_hist_K.numel()).double()
@@ -70,10 +70,3 @@ class WindowStats:
         e, d = num_experts, dim
         parts = flat.split([e, e * d, e, flat.numel() - e - e * d - e])
         return cls(parts[0].clone(), parts[1].reshape(e, d).clone(), parts[2].clone(), parts[3].clone())
-
-
-def merge_all(stats: List[WindowStats]) -> WindowStats:
-    total = stats[0]
-    for s in stats[1:]:
-        total = total.merge(s)
-    return total

@@ -55,11 +55,13 @@ class Task:
         """Loss items in these samples (one per sample for classification)."""
         return int(indices.numel())
 
-    def loss_terms(self, logits: Tensor, targets: Tensor) -> Tuple[Tensor, int]:
-        """(summed cross-entropy in at least fp32, number of correct predictions)."""
+    def loss_terms(self, logits: Tensor, targets: Tensor) -> Tuple[Tensor, Tensor]:
+        """(summed cross-entropy in at least fp32, number of correct predictions as a 0-d tensor).
+
+        Both stay on the device: the trainer reads them back once per step, not once per batch."""
         loss_sum = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets,
                                    reduction="sum")
-        correct = int((logits.detach().argmax(-1) == targets).sum())  # NOTE: device-to-host sync
+        correct = (logits.detach().argmax(-1) == targets).sum()
         return loss_sum, correct
 
     def build_model(self, run_config) -> nn.Module:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 from typing import Dict, List
 
 import torch
@@ -31,14 +30,17 @@ from .recorder import attach_recorders
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bf16": torch.float32}
 
 
-@dataclass
 class StepTotals:
-    """What one rank contributes to a step's metrics (summed over ranks with one all-reduce)."""
+    """What one rank contributes to a step's metrics, accumulated on the device (no host sync per
+    micro-batch) and summed over ranks with one all-reduce."""
 
-    loss_sum: float = 0.0
-    correct: float = 0.0
-    items: float = 0.0
-    aux: float = 0.0
+    def __init__(self, device: torch.device):
+        self.loss_sum, self.correct, self.aux = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(3))
+        self.items = 0
+
+    def vector(self) -> torch.Tensor:
+        items = self.loss_sum.new_tensor(float(self.items))
+        return torch.stack([self.loss_sum, self.correct, items, self.aux]).cpu()  # NOTE: device-to-host sync
 
 
 class Trainer:
@@ -95,17 +97,17 @@ class Trainer:
         loss_sum, correct = self.task.loss_terms(out.logits, batch.targets)
         loss = loss_sum / items_global / accum + out.aux_loss / accum
         loss.backward()
-        totals.loss_sum += float(loss_sum.detach()) / items_global / accum
+        totals.loss_sum += loss_sum.detach().double() / items_global / accum
         totals.correct += correct
         totals.items += len(batch)
-        totals.aux += float(out.aux_loss.detach()) / accum
+        totals.aux += out.aux_loss.detach().double() / accum
 
     def train_step(self) -> Dict:
         started = time.perf_counter()
         self.model.train()
         for recorder in self.recorders:
             recorder.reset_step()
-        totals = StepTotals()
+        totals = StepTotals(self.groups.device)
         for micro in range(self.config.train.grad_accum):
             self.forward_backward(self.schedule.micro_indices(self.step, micro), totals)
         self.grad_sync.sync()
@@ -124,8 +126,7 @@ class Trainer:
         return sum_over_ranks(vector, self.groups, what)
 
     def _step_record(self, totals: StepTotals, seconds: float, lr: float) -> Dict:
-        head = torch.tensor([totals.loss_sum, totals.correct, totals.items, totals.aux], dtype=torch.float64)
-        summed = self._sum_over_ranks(torch.cat([head] + [r.step_vector() for r in self.recorders]),
+        summed = self._sum_over_ranks(torch.cat([totals.vector()] + [r.step_vector() for r in self.recorders]),
                                       "step metrics all_reduce").tolist()
         task_loss, correct, items, aux = summed[:4]
         record = {"kind": "step", "step": self.step, "epoch": self.step / self.schedule.steps_per_epoch,
@@ -157,15 +158,13 @@ class Trainer:
         """Loss and accuracy on the whole test split, sharded over ranks like training batches."""
         self.model.eval()
         size, chunk = self.task.size("test"), self.config.train.global_batch_size
-        loss_sum = correct = 0.0
+        totals = torch.zeros(2, dtype=torch.float64, device=self.groups.device)  # loss sum, correct
         for start in range(0, size, chunk):
             batch = self.local_batch("test", torch.arange(start, min(size, start + chunk)))
             with self.autocast():
                 out = self.model(**batch.inputs)
-            batch_loss, batch_correct = self.task.loss_terms(out.logits, batch.targets)
-            loss_sum += float(batch_loss)
-            correct += batch_correct
-        summed = self._sum_over_ranks(torch.tensor([loss_sum, correct], dtype=torch.float64), "eval all_reduce")
+            totals += torch.stack(self.task.loss_terms(out.logits, batch.targets)).double()
+        summed = self._sum_over_ranks(totals.cpu(), "eval all_reduce")
         self.model.train()
         items = self.task.count_items("test", torch.arange(size))
         return {"test_loss": float(summed[0]) / items, "test_accuracy": float(summed[1]) / size}

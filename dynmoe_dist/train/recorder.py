@@ -22,27 +22,31 @@ class LayerRecorder:
         self.reset_step()
 
     def reset_step(self) -> None:
-        self.tokens = 0.0
-        self.k_sum = 0.0
-        self.counts_E = torch.zeros(self.layer.num_experts, dtype=torch.float64)
+        # Kept on the layer's device: reading them back per forward would be a host sync per layer.
+        device = self.layer.router.weight.device
+        self.tokens = 0
+        self.k_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.counts_E = torch.zeros(self.layer.num_experts, dtype=torch.float64, device=device)
 
     def start_window(self) -> None:
         cfg = self.layer.config
-        self.window = WindowStats.empty(self.layer.num_experts, cfg.dim, cfg.max_experts)
+        self.window = WindowStats.empty(self.layer.num_experts, cfg.dim, cfg.max_experts,
+                                        device=self.layer.router.weight.device)
 
     def __call__(self, layer: MoELayer, x_TD: Tensor, routing: Routing) -> None:
         if not layer.training:
             return
         mask_TE = routing.mask.detach()
         self.tokens += mask_TE.shape[0]
-        self.k_sum += float(routing.num_selected.sum())  # NOTE: device-to-host sync
-        self.counts_E += mask_TE.sum(dim=0).double().cpu()
+        self.k_sum += routing.num_selected.sum()
+        self.counts_E += mask_TE.sum(dim=0)
         if self.window is not None:
             # The window counts selections before any k = 0 fallback: gates > 0.
             self.window.add_tokens(routing.gates.detach() > 0, routing.probs, x_TD)
 
     def step_vector(self) -> Tensor:
-        return torch.cat([torch.tensor([self.tokens, self.k_sum], dtype=torch.float64), self.counts_E])
+        head = torch.stack([self.k_sum.new_tensor(float(self.tokens)), self.k_sum])
+        return torch.cat([head, self.counts_E]).cpu()  # NOTE: device-to-host sync, once per step
 
 
 def attach_recorders(layers: List[MoELayer]) -> List[LayerRecorder]:
