@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from ..coordination import CollectiveCoordinator, PlanRequest
+from ..parallel.groups import barrier
 from ..parallel.simulate import run_simulated
 from ..planning.planner import Plan
 
@@ -85,13 +85,13 @@ def train_and_time(trainer, adaptive, groups) -> Dict:
     while trainer.step < trainer.schedule.total_steps:
         index = trainer.step
         adaptive.before_step(index)
-        dist.barrier()
+        barrier(groups, "bench step start")
         started = time.perf_counter()
         records.append(trainer.train_step())
         steps.append(time.perf_counter() - started)
         if not adaptive.schedule.ends_at(index):
             continue
-        dist.barrier()
+        barrier(groups, "bench event start")
         started = time.perf_counter()
         event_records = adaptive.after_step(index)
         events.append({"after_step": index, "event_s": time.perf_counter() - started,

@@ -25,9 +25,8 @@ from dataclasses import asdict
 from typing import Callable, Dict, List, Tuple
 
 import torch
-import torch.distributed as dist
 
-from ..parallel.groups import build_groups
+from ..parallel.groups import barrier, build_groups
 from ..parallel.simulate import run_simulated
 from . import ep_parts as parts
 
@@ -55,7 +54,7 @@ def timed(fn: Callable[[], None], groups) -> Tuple[float, float]:
     """(wall seconds, CPU seconds of this rank's process). Wall time is the figure; CPU time (all
     threads, gloo's included; blocked waits excluded) shows the work done, which background load on a
     shared machine inflates far less than it inflates wall time."""
-    dist.barrier(group=groups.ep_group)  # every contender starts together on every rank
+    barrier(groups, "bench start", groups.ep_group)  # every contender starts together on every rank
     wall, cpu = time.perf_counter(), time.process_time()
     fn()
     return time.perf_counter() - wall, time.process_time() - cpu

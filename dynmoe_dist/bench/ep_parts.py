@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from typing import Callable, List, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
 from ..moe import MoEConfig, MoELayer
+from ..parallel.dispatch import exchange_rows
 from ..parallel.expert_parallel import parallelize
-from ..parallel.groups import ParallelGroups
+from ..parallel.groups import ParallelGroups, sum_over_ranks
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,7 @@ def global_mean_k(layer: MoELayer, x_TD: Tensor, groups: ParallelGroups) -> floa
     with torch.no_grad():
         routing = layer.router(x_TD, True)
         totals = torch.tensor([float(routing.num_selected.sum()), float(x_TD.shape[0])], dtype=torch.float64)
-    if groups.distributed:
-        dist.all_reduce(totals, group=groups.ep_group)
+    sum_over_ranks(totals, groups, "mean k all_reduce", groups.ep_group)
     return float(totals[0] / totals[1].clamp(min=1))
 
 
@@ -194,8 +193,8 @@ def bare_all_to_alls(received: Received, dim: int, group) -> Callable[[], None]:
 
     def run() -> None:
         for _ in range(2):  # forward pair, then the backward pair (same sizes, same directions)
-            dist.all_to_all_single(recv_QD, send_RD, received.recv_splits, received.send_splits, group=group)
-            dist.all_to_all_single(back_RD, recv_QD, received.send_splits, received.recv_splits, group=group)
+            exchange_rows(recv_QD, send_RD, received.recv_splits, received.send_splits, group)
+            exchange_rows(back_RD, recv_QD, received.send_splits, received.recv_splits, group)
 
     return run
 

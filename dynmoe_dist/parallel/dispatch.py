@@ -31,6 +31,12 @@ from ..planning.placement import Placement
 from .groups import ParallelGroups, named
 
 
+def exchange_rows(out_QD: Tensor, x_RD: Tensor, out_splits: List[int], in_splits: List[int], group) -> Tensor:
+    """The bare variable-size exchange (no autograd, no bookkeeping); benchmarks time it alone."""
+    dist.all_to_all_single(out_QD, x_RD.contiguous(), out_splits, in_splits, group=group)
+    return out_QD
+
+
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single with explicit split sizes; backward is the same exchange reversed."""
 
@@ -39,7 +45,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.splits, ctx.group, ctx.what, ctx.groups = (out_splits, in_splits), group, what, groups
         out_QD = x_RD.new_empty((sum(out_splits),) + tuple(x_RD.shape[1:]))
         with named(what, groups):
-            dist.all_to_all_single(out_QD, x_RD.contiguous(), out_splits, in_splits, group=group)
+            exchange_rows(out_QD, x_RD, out_splits, in_splits, group)
         return out_QD
 
     @staticmethod
@@ -47,7 +53,7 @@ class _AllToAll(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         grad_RD = grad_QD.new_empty((sum(in_splits),) + tuple(grad_QD.shape[1:]))
         with named(f"{ctx.what} (backward)", ctx.groups):
-            dist.all_to_all_single(grad_RD, grad_QD.contiguous(), in_splits, out_splits, group=ctx.group)
+            exchange_rows(grad_RD, grad_QD, in_splits, out_splits, ctx.group)
         return grad_RD, None, None, None, None, None
 
 

@@ -196,7 +196,7 @@ def check_same_everywhere(value: str, groups: ParallelGroups, what: str) -> None
         raise ValueError(f"{what} differs across ranks ({by_rank})")
 
 
-def barrier(groups: ParallelGroups, what: str) -> None:
+def barrier(groups: ParallelGroups, what: str, group=None) -> None:
     if groups.distributed:
         with named(what, groups):
-            dist.barrier()
+            dist.barrier(group=group)

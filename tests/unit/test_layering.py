@@ -32,6 +32,20 @@ def test_pure_packages_never_import_distributed_or_ray():
     assert _files("dynmoe_dist/moe"), "the check must look at real files"
 
 
+COLLECTIVE_CALLERS = ("dynmoe_dist/parallel", "dynmoe_dist/coordination.py", "dynmoe_dist/train", "cluster")
+
+
+def test_torch_distributed_only_where_collectives_belong():
+    offenders = []
+    for folder in PACKAGES:
+        for path in _files(folder):
+            rel = str(path.relative_to(ROOT))
+            if rel.startswith(COLLECTIVE_CALLERS):
+                continue
+            offenders += [f"{rel}: {n}" for n in _imports(path) if n.startswith("torch.distributed")]
+    assert not offenders, offenders
+
+
 def test_ray_only_inside_cluster():
     offenders = []
     for folder in PACKAGES:
