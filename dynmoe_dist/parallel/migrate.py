@@ -42,8 +42,8 @@ def combine_experts(combos: Sequence[Sequence[Tuple[int, float]]], layer: MoELay
     if not combos:
         return []
     shapes = expert_param_shapes(layer.config)
-    template = layer.router.weight
-    dtype = next(iter(local.values())).w_in.dtype if local else template.dtype
+    template = layer.router.weight  # experts share the router's device and dtype (model.to applies to all)
+    dtype = template.dtype
     sizes = [s.numel() for s in shapes]
     flat = torch.zeros(len(combos), sum(sizes), dtype=dtype, device=template.device)
     for row, combo in enumerate(combos):
@@ -179,8 +179,7 @@ def apply_layer_plan(lp: LayerPlan, layer: MoELayer, optimizer, groups: Parallel
     if lp.remember_discarded is not None:
         discarded = combined.pop()
     received = _move_experts(lp, old_placement, layer, local, optimizer, groups)
-    like = layer.router.weight if not local else next(iter(local.values())).w_in
-    added = _added_experts(lp.added, combined, discarded, layer.config, like)
+    added = _added_experts(lp.added, combined, discarded, layer.config, layer.router.weight)
     experts = []
     for new_id in lp.placement.experts_on(groups.ep_rank):
         if new_id < len(lp.kept):
@@ -196,7 +195,7 @@ def apply_layer_plan(lp: LayerPlan, layer: MoELayer, optimizer, groups: Parallel
 
 def _move_experts(lp, old_placement, layer, local, optimizer, groups) -> Dict[int, FeedForward]:
     received = {}
-    like = layer.router.weight if not local else next(iter(local.values())).w_in
+    like = layer.router.weight  # device and dtype of every expert
     for new_id, src, dst in transfers(lp, old_placement):
         if groups.ep_rank == src:
             send_expert(local[lp.kept[new_id]], optimizer, groups.global_rank(dst), groups)

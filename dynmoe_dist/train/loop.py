@@ -62,14 +62,13 @@ class Trainer:
         self.groups: ParallelGroups = init_groups(config.parallel)
         check_same_everywhere(config.digest(), self.groups, "config hash")
         self.model.to(self.groups.device, DTYPES[config.train.precision])
-        self.placements = parallelize(self.model, self.groups)
+        parallelize(self.model, self.groups)  # each layer then holds its placement (plans change it)
         self.optimizer = build_optimizer(self.model, config.train)
         self.grad_sync = GradSync(self.model, self.groups)
         self.recorders = attach_recorders(self.moe_layers)
         self.step = 0
         self.is_rank0 = self.groups.rank == 0
-        self.adaptive = None  # set by train.adaptive.attach_adaptive when enabled
-        self.telemetry = None
+        self.adaptive = None  # an AdaptiveController, set by run() when adaptive.enabled
 
     def _check_experts_fit(self, ep_size: int) -> None:
         for index, layer in enumerate(self.moe_layers):
