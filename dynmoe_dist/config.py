@@ -11,10 +11,12 @@ import dataclasses
 import hashlib
 import inspect
 import json
+import os
 import tomllib
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple, Union, get_args, get_origin, get_type_hints
 
 from .moe.config import MoEConfig, _require
 
@@ -70,6 +72,11 @@ class ModelConfig:
         for i in self.moe_layers:
             _require(0 <= i < self.num_layers,
                      f"model.moe_layers entry ({i}) outside [0, num_layers ({self.num_layers}))")
+        _require(len(set(self.moe_layers)) == len(self.moe_layers),
+                 f"model.moe_layers ({self.moe_layers}) lists a layer twice")
+        _require(self.patch_size >= 1, f"model.patch_size ({self.patch_size}) must be >= 1")
+        for name in ("dim", "num_heads", "ffn_dim"):
+            _require(getattr(self, name) >= 1, f"model.{name} ({getattr(self, name)}) must be >= 1")
 
 
 @dataclass
@@ -227,6 +234,9 @@ class RunConfig:
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    explicit: FrozenSet[str] = field(default_factory=frozenset, compare=False, repr=False)
+    """'section.key' of every option the user set (file or --set), recorded by the loader: start-up
+    checks fail for a feature asked for by name but only warn about a default (train/startup.py)."""
 
     def to_dict(self) -> Dict[str, Dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
@@ -288,9 +298,95 @@ def from_dict(data: Dict[str, Dict[str, Any]]) -> RunConfig:
         if not isinstance(values, dict):
             raise ValueError(f"section [{name}] must be a table, got {values!r}")
         _check_keys(name, values)
-        sections[name] = SECTIONS[name](**values)
-    return RunConfig(**sections)
+        sections[name] = SECTIONS[name](**checked_values(name, values))
+    explicit = frozenset(f"{name}.{key}" for name, values in data.items() for key in values)
+    return RunConfig(**sections, explicit=explicit)
 
+
+# -- value types, checked from the dataclass annotations ---------------------------------------------
+
+# scalar type -> (one value, several values), for messages like "must be a list of integers"
+_KINDS = {int: ("an integer", "integers"), float: ("a number", "numbers"), str: ("a string", "strings"),
+          bool: ("true or false", "booleans")}
+
+
+@lru_cache(maxsize=None)
+def field_types(cls) -> Dict[str, Any]:
+    """Field name -> resolved annotation (the modules use postponed annotations, so resolve them here)."""
+    return get_type_hints(cls)
+
+
+def _scalar_ok(value: Any, kind: type) -> bool:
+    # bool is an int subclass: `true` is no integer, and 1 is no boolean.
+    if kind is bool or isinstance(value, bool):
+        return kind is bool and isinstance(value, bool)
+    return isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
+
+
+def conforms(value: Any, annotation: Any) -> bool:
+    """Whether a TOML value fits a field annotation: int, float (ints too), str, bool, Optional[X],
+    List[X], Tuple[X, ...] and fixed Tuple[X, Y] (TOML arrays)."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Union:
+        return value is None or any(conforms(value, a) for a in args if a is not type(None))
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return False
+        if origin is tuple and Ellipsis not in args:
+            return len(value) == len(args) and all(conforms(v, a) for v, a in zip(value, args))
+        return all(conforms(v, args[0]) for v in value)
+    return _scalar_ok(value, annotation)
+
+
+def describe(annotation: Any) -> str:
+    """'an integer', 'a list of strings', 'a list of 2 numbers', ... for the error message."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Union:
+        return describe(next(a for a in args if a is not type(None)))
+    if origin is tuple and Ellipsis not in args:
+        return f"a list of {len(args)} {_KINDS[args[0]][1]}"
+    if origin in (list, tuple):
+        return f"a list of {_KINDS[args[0]][1]}"
+    return _KINDS[annotation][0]
+
+
+def checked_values(section: str, values: Dict[str, Any]) -> Dict[str, Any]:
+    """Raise naming the option and the value when a value has the wrong type; ints become floats for
+    float fields, so a config means the same (and hashes the same) whether it says 2 or 2.0."""
+    types, out = field_types(SECTIONS[section]), {}
+    for key, value in values.items():
+        if not conforms(value, types[key]):
+            raise ValueError(f"{section}.{key} ({value!r}) must be {describe(types[key])}")
+        out[key] = float(value) if types[key] is float else value
+    return out
+
+
+# -- cross-section checks -------------------------------------------------------------------------
+
+def check_world(config: RunConfig, world_size: Optional[int]) -> None:
+    """ep_size against the world (when the launcher told us its size) and against the expert count."""
+    ep_size, num_experts = config.parallel.ep_size, config.moe.num_experts
+    if world_size is not None:
+        _require(ep_size == 0 or world_size % ep_size == 0,
+                 f"parallel.ep_size ({ep_size}) does not divide the world size ({world_size}, from WORLD_SIZE)")
+        ep_size = ep_size or world_size
+    _require(num_experts >= ep_size,
+             f"moe.num_experts ({num_experts}) < parallel.ep_size ({ep_size}): every rank of an "
+             "expert-parallel group needs at least one expert")
+
+
+def world_size_from_env() -> Optional[int]:
+    """WORLD_SIZE as torchrun (and run_simulated) set it; None when this process was not launched as
+    part of a group (then the size is only known when the group starts)."""
+    raw = os.environ.get("WORLD_SIZE")
+    if raw is None:
+        return None
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ValueError(f"environment variable WORLD_SIZE ({raw!r}) must be a positive integer")
+    return int(raw)
+
+
+# -- loading --------------------------------------------------------------------------------------
 
 def parse_override(text: str) -> Tuple[str, str, Any]:
     """'section.key=value' -> (section, key, value); the value is read as TOML, else as a string."""
@@ -305,20 +401,35 @@ def parse_override(text: str) -> Tuple[str, str, Any]:
     return section, key, value
 
 
+def read_toml(path: str) -> Dict[str, Any]:
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"config file ({path}) does not exist")
+    try:
+        return tomllib.loads(file.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"config file ({path}) is not valid TOML: {err}") from None
+
+
 def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = None) -> RunConfig:
-    data: Dict[str, Dict[str, Any]] = {}
-    if path:
-        file = Path(path)
-        if not file.is_file():
-            raise ValueError(f"config file ({path}) does not exist")
-        data = tomllib.loads(file.read_text())
+    """File + overrides -> a RunConfig in which every mistake the loader can see has been an error:
+    types, ranges, cross-section sizes, the task's name and the model shapes it can build."""
+    data: Dict[str, Dict[str, Any]] = read_toml(path) if path else {}
     for text in overrides or []:
         section, key, value = parse_override(text)
         if section not in SECTIONS:
             raise ValueError(f"unknown section [{section}] in --set {text}; valid sections: {', '.join(SECTIONS)}")
         _check_keys(section, {key: value})
-        data.setdefault(section, {})[key] = value
-    return from_dict(data)
+        section_values = data.setdefault(section, {})
+        if not isinstance(section_values, dict):
+            raise ValueError(f"section [{section}] must be a table, got {section_values!r}")
+        section_values[key] = value
+    config = from_dict(data)
+    check_world(config, world_size_from_env())
+    # Imported here: the tasks import torch and the models, which config.py must not need to load.
+    from .tasks import validate_run_config
+    validate_run_config(config)
+    return config
 
 
 def options_help() -> str:
