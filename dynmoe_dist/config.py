@@ -124,6 +124,10 @@ class TrainConfig:
         _require(self.precision in PRECISIONS, f"train.precision ({self.precision!r}) must be one of {PRECISIONS}")
         _require(self.log_every >= 1, f"train.log_every ({self.log_every}) must be >= 1")
         _require(self.threads >= 0, f"train.threads ({self.threads}) must be >= 0")
+        for name in ("max_steps", "warmup_steps", "eval_every", "weight_decay", "grad_clip"):
+            _require(getattr(self, name) >= 0, f"train.{name} ({getattr(self, name)}) must be >= 0")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, f"train.min_lr_ratio ({self.min_lr_ratio}) must be in [0, 1]")
+        _require(all(0.0 <= b < 1.0 for b in self.betas), f"train.betas ({self.betas}) must be in [0, 1)")
 
 
 @dataclass
@@ -181,6 +185,11 @@ class AdaptiveConfig:
         _require(self.max_replicas >= 0, f"adaptive.max_replicas ({self.max_replicas}) must be >= 0")
 
 
+# Options only adding and removing experts reads. Only top-any layers add and remove experts: under
+# top_k / top_p routers the adaptive events re-place and replicate experts, nothing else.
+ADD_REMOVE_OPTIONS = ("adaptive.max_adds_per_event", "adaptive.expert_init", "moe.max_experts", "moe.min_experts")
+
+
 @dataclass
 class OutputConfig:
     out_dir: str = "runs/latest"
@@ -199,6 +208,10 @@ class OutputConfig:
     """Complete checkpoints kept on disk (older ones are deleted after a new one is complete)."""
     resume: str = ""
     """'' (fresh start), 'auto' (newest complete checkpoint in out_dir, if any) or a checkpoint path."""
+
+    def __post_init__(self):
+        _require(self.checkpoint_every >= 0, f"output.checkpoint_every ({self.checkpoint_every}) must be >= 0")
+        _require(self.keep_checkpoints >= 1, f"output.keep_checkpoints ({self.keep_checkpoints}) must be >= 1")
 
 
 @dataclass
@@ -298,9 +311,20 @@ def from_dict(data: Dict[str, Dict[str, Any]]) -> RunConfig:
         if not isinstance(values, dict):
             raise ValueError(f"section [{name}] must be a table, got {values!r}")
         _check_keys(name, values)
-        sections[name] = SECTIONS[name](**checked_values(name, values))
+        sections[name] = make_section(name, checked_values(name, values))
     explicit = frozenset(f"{name}.{key}" for name, values in data.items() for key in values)
     return RunConfig(**sections, explicit=explicit)
+
+
+def make_section(name: str, values: Dict[str, Any]):
+    try:
+        return SECTIONS[name](**values)
+    except ValueError as err:
+        # MoEConfig is also the layer's own config, so its messages name the bare field ("top_k (9) ...");
+        # in a run file the option is moe.top_k.
+        if name == "moe":
+            raise ValueError(f"moe.{err}") from None
+        raise
 
 
 # -- value types, checked from the dataclass annotations ---------------------------------------------
@@ -375,6 +399,15 @@ def check_world(config: RunConfig, world_size: Optional[int]) -> None:
              "expert-parallel group needs at least one expert")
 
 
+def check_resume(output: OutputConfig) -> None:
+    """A resume path names a checkpoint directory (train/checkpoint.py checks its content when it loads)."""
+    if output.resume in ("", "auto"):
+        return
+    _require((Path(output.resume) / "meta.pt").is_file(),
+             f"output.resume ({output.resume!r}) is not a checkpoint directory: it has no meta.pt "
+             "(use 'auto' for the newest checkpoint in output.out_dir)")
+
+
 def world_size_from_env() -> Optional[int]:
     """WORLD_SIZE as torchrun (and run_simulated) set it; None when this process was not launched as
     part of a group (then the size is only known when the group starts)."""
@@ -426,6 +459,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
         section_values[key] = value
     config = from_dict(data)
     check_world(config, world_size_from_env())
+    check_resume(config.output)
     # Imported here: the tasks import torch and the models, which config.py must not need to load.
     from .tasks import validate_run_config
     validate_run_config(config)

@@ -22,6 +22,16 @@ DEFAULT_AUX = {
     "top_p": ("switch",),
 }
 
+# Fields only some routers read (the rest of the layer reads all the others): field -> those routers.
+# Setting one under another router does nothing; the trainer warns about it at start-up.
+ROUTER_FIELDS = {
+    "top_k": ("top_k",),
+    "top_p": ("top_p",),
+    "threshold_init": ("top_any",),
+    "train_k0": ("top_any",),  # only top-any lets a token select no expert
+    "eval_k0": ("top_any",),
+}
+
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
