@@ -388,15 +388,20 @@ def checked_values(section: str, values: Dict[str, Any]) -> Dict[str, Any]:
 # -- cross-section checks -------------------------------------------------------------------------
 
 def check_world(config: RunConfig, world_size: Optional[int]) -> None:
-    """ep_size against the world (when the launcher told us its size) and against the expert count."""
-    ep_size, num_experts = config.parallel.ep_size, config.moe.num_experts
+    """ep_size and the batch against the world (when the launcher told us its size), ep_size against the
+    expert count. The trainer checks the same against the live group; this fails before it starts."""
+    ep_size, num_experts, train = config.parallel.ep_size, config.moe.num_experts, config.train
     if world_size is not None:
         _require(ep_size == 0 or world_size % ep_size == 0,
-                 f"parallel.ep_size ({ep_size}) does not divide the world size ({world_size}, from WORLD_SIZE)")
+                 f"parallel.ep_size ({ep_size}) does not divide the world size ({world_size})")
         ep_size = ep_size or world_size
+        micro = train.global_batch_size // train.grad_accum
+        _require(micro >= world_size, f"micro-batch size ({micro} = train.global_batch_size "
+                 f"{train.global_batch_size} / train.grad_accum {train.grad_accum}) < world size ({world_size}): "
+                 "some ranks would get no samples")
     _require(num_experts >= ep_size,
-             f"moe.num_experts ({num_experts}) < parallel.ep_size ({ep_size}): every rank of an "
-             "expert-parallel group needs at least one expert")
+             f"moe.num_experts ({num_experts}) < ep_size ({ep_size}): every rank of an expert-parallel group "
+             "(parallel.ep_size) needs at least one expert")
 
 
 def check_resume(output: OutputConfig) -> None:

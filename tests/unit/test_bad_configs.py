@@ -62,8 +62,10 @@ CASES = [
     ("ep-does-not-divide-world", _set("parallel.ep_size=3"), "4", ["parallel.ep_size (3)", "world size (4"]),
     ("ep-larger-than-world", _set("parallel.ep_size=8"), "4", ["parallel.ep_size (8)", "world size (4"]),
     ("fewer-experts-than-ep", _set("parallel.ep_size=4", "moe.num_experts=2"), "4",
-     ["moe.num_experts (2)", "parallel.ep_size (4)"]),
-    ("fewer-experts-than-world", _set("moe.num_experts=2"), "4", ["moe.num_experts (2)", "parallel.ep_size (4)"]),
+     ["moe.num_experts (2) < ep_size (4)", "parallel.ep_size"]),
+    ("fewer-experts-than-world", _set("moe.num_experts=2"), "4", ["moe.num_experts (2) < ep_size (4)", "parallel.ep_size"]),
+    ("batch-smaller-than-world", _set("train.global_batch_size=6", "train.grad_accum=2"), "4",
+     ["micro-batch size (3", "train.global_batch_size 6", "world size (4)"]),
     ("bad-world-size-env", [], "two", ["WORLD_SIZE ('two')"]),
     # config files
     ("missing-file", ["--config", "{tmp}/missing.toml"], None, ["config file (", "missing.toml", "does not exist"]),
