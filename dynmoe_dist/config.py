@@ -16,8 +16,9 @@ import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Dict, FrozenSet, List, Optional, Tuple, Union, get_args, get_origin, get_type_hints
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple, get_type_hints
 
+from .config_types import conforms, describe
 from .moe.config import MoEConfig, _require
 
 EXPERT_INITS = ("reuse_discarded", "average", "weighted_average", "most_activated", "random")
@@ -329,49 +330,10 @@ def make_section(name: str, values: Dict[str, Any]):
 
 # -- value types, checked from the dataclass annotations ---------------------------------------------
 
-# scalar type -> (one value, several values), for messages like "must be a list of integers"
-_KINDS = {int: ("an integer", "integers"), float: ("a number", "numbers"), str: ("a string", "strings"),
-          bool: ("true or false", "booleans")}
-
-
 @lru_cache(maxsize=None)
 def field_types(cls) -> Dict[str, Any]:
     """Field name -> resolved annotation (the modules use postponed annotations, so resolve them here)."""
     return get_type_hints(cls)
-
-
-def _scalar_ok(value: Any, kind: type) -> bool:
-    # bool is an int subclass: `true` is no integer, and 1 is no boolean.
-    if kind is bool or isinstance(value, bool):
-        return kind is bool and isinstance(value, bool)
-    return isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
-
-
-def conforms(value: Any, annotation: Any) -> bool:
-    """Whether a TOML value fits a field annotation: int, float (ints too), str, bool, Optional[X],
-    List[X], Tuple[X, ...] and fixed Tuple[X, Y] (TOML arrays)."""
-    origin, args = get_origin(annotation), get_args(annotation)
-    if origin is Union:
-        return value is None or any(conforms(value, a) for a in args if a is not type(None))
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            return False
-        if origin is tuple and Ellipsis not in args:
-            return len(value) == len(args) and all(conforms(v, a) for v, a in zip(value, args))
-        return all(conforms(v, args[0]) for v in value)
-    return _scalar_ok(value, annotation)
-
-
-def describe(annotation: Any) -> str:
-    """'an integer', 'a list of strings', 'a list of 2 numbers', ... for the error message."""
-    origin, args = get_origin(annotation), get_args(annotation)
-    if origin is Union:
-        return describe(next(a for a in args if a is not type(None)))
-    if origin is tuple and Ellipsis not in args:
-        return f"a list of {len(args)} {_KINDS[args[0]][1]}"
-    if origin in (list, tuple):
-        return f"a list of {_KINDS[args[0]][1]}"
-    return _KINDS[annotation][0]
 
 
 def checked_values(section: str, values: Dict[str, Any]) -> Dict[str, Any]:
