@@ -33,7 +33,7 @@ def conforms(value: Any, annotation: Any) -> bool:
         if not isinstance(value, (list, tuple)):
             return False
         if origin is tuple and Ellipsis not in args:
-            return len(value) == len(args) and all(conforms(v, a) for v, a in zip(value, args))
+            return len(value) == len(args) and all(conforms(v, a) for v, a in zip(value, args, strict=True))
         return all(conforms(v, args[0]) for v in value)
     if annotation not in _KINDS:  # a new field type: teach this module about it
         raise TypeError(f"config fields of type {annotation!r} are not supported by config_types")

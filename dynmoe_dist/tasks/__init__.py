@@ -2,8 +2,8 @@
 
 from typing import Dict
 
-from .base import TASK_OPTIONS, TASK_SPECS, TASKS, Batch, Task, TaskSpec, register, split_indices
 from . import synthetic  # noqa: F401  (registers 'synthetic')
+from .base import TASK_OPTIONS, TASK_SPECS, TASKS, Batch, Task, TaskSpec, register, split_indices
 
 OPTIONAL_MODULES = ("text", "vision")
 # module -> the missing package that kept it from loading, for the unknown-task message

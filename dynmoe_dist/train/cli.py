@@ -58,7 +58,7 @@ def is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def one_line(err: BaseException) -> str:
+def one_line(err: object) -> str:
     # Some messages quote other libraries' multi-line errors (a corrupt checkpoint's torch.load error).
     return " ".join(str(err).split())
 

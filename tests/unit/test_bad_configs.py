@@ -36,8 +36,10 @@ CASES = [
     ("bool-given-yes", _set("output.progress=yes"), None, ["output.progress ('yes')", "true or false"]),
     ("bool-given-int", _set("adaptive.enabled=1"), None, ["adaptive.enabled (1)", "true or false"]),
     ("list-given-string", _set("model.freeze=embeddings"), None, ["model.freeze ('embeddings')", "list of strings"]),
-    ("list-of-ints-given-words", _set("model.moe_layers=['a']"), None, ["model.moe_layers (['a'])", "list of integers"]),
-    ("pair-given-three", _set("train.betas=[0.9, 0.99, 0.999]"), None, ["train.betas ([0.9, 0.99, 0.999])", "2 numbers"]),
+    ("list-of-ints-given-words", _set("model.moe_layers=['a']"), None,
+     ["model.moe_layers (['a'])", "list of integers"]),
+    ("pair-given-three", _set("train.betas=[0.9, 0.99, 0.999]"), None,
+     ["train.betas ([0.9, 0.99, 0.999])", "2 numbers"]),
     ("str-given-int", _set("train.precision=16"), None, ["train.precision (16)", "must be a string"]),
     ("tuple-given-string", _set("moe.aux_losses=diverse"), None, ["moe.aux_losses ('diverse')", "list of strings"]),
     ("optional-int-given-word", _set("moe.max_experts=many"), None, ["moe.max_experts ('many')", "integer"]),
@@ -49,7 +51,8 @@ CASES = [
     # task names
     ("unknown-task", _set("task.name=cifar"), None, ["task.name ('cifar')", "synthetic", "vit-mnist", "jsonl"]),
     # model shapes that cannot be built
-    ("heads-do-not-divide-dim", _set("model.dim=30", "model.num_heads=4"), None, ["model.dim (30)", "model.num_heads (4)"]),
+    ("heads-do-not-divide-dim", _set("model.dim=30", "model.num_heads=4"), None,
+     ["model.dim (30)", "model.num_heads (4)"]),
     ("moe-layer-out-of-range", _set("model.moe_layers=[2]"), None, ["model.moe_layers entry (2)", "num_layers (2)"]),
     ("moe-layer-twice", _set("model.moe_layers=[1, 1]"), None, ["model.moe_layers ([1, 1])", "twice"]),
     ("vit-patch-does-not-tile", _set("task.name=vit-mnist", "model.patch_size=5"), None,
@@ -63,7 +66,8 @@ CASES = [
     ("ep-larger-than-world", _set("parallel.ep_size=8"), "4", ["parallel.ep_size (8)", "world size (4"]),
     ("fewer-experts-than-ep", _set("parallel.ep_size=4", "moe.num_experts=2"), "4",
      ["moe.num_experts (2) < ep_size (4)", "parallel.ep_size"]),
-    ("fewer-experts-than-world", _set("moe.num_experts=2"), "4", ["moe.num_experts (2) < ep_size (4)", "parallel.ep_size"]),
+    ("fewer-experts-than-world", _set("moe.num_experts=2"), "4",
+     ["moe.num_experts (2) < ep_size (4)", "parallel.ep_size"]),
     ("batch-smaller-than-world", _set("train.global_batch_size=6", "train.grad_accum=2"), "4",
      ["micro-batch size (3", "train.global_batch_size 6", "world size (4)"]),
     ("bad-world-size-env", [], "two", ["WORLD_SIZE ('two')"]),
@@ -79,7 +83,8 @@ CASES = [
     ("bad-set-syntax", _set("lr=1"), None, ["section.key=value", "'lr=1'"]),
     # checkpoints
     ("resume-nonexistent", _set("output.resume=/nonexistent"), None, ["output.resume ('/nonexistent')", "meta.pt"]),
-    ("resume-dir-without-meta", _set("output.resume={tmp}/empty_ckpt"), None, ["output.resume (", "empty_ckpt", "meta.pt"]),
+    ("resume-dir-without-meta", _set("output.resume={tmp}/empty_ckpt"), None,
+     ["output.resume (", "empty_ckpt", "meta.pt"]),
 ]
 
 

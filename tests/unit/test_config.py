@@ -1,8 +1,8 @@
 """Run configuration: TOML + --set overrides, unknown keys, validation, help text, digest."""
 
-import pytest
-
 from typing import List, Optional, Tuple
+
+import pytest
 
 from dynmoe_dist.config import RunConfig, load_config, options_help, parse_override
 from dynmoe_dist.config_types import conforms, describe

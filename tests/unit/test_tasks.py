@@ -12,12 +12,10 @@ import torch
 
 from dynmoe_dist.config import ModelConfig, RunConfig, TaskConfig
 from dynmoe_dist.moe import MoEConfig, MoELayer
-from dynmoe_dist.tasks import TASKS, build_task, split_indices
-from dynmoe_dist.tasks import assets, vision
+from dynmoe_dist.tasks import TASKS, assets, build_task, split_indices, vision
 from dynmoe_dist.tasks.common import freeze_parameters, subset_indices
 from dynmoe_dist.tasks.text import load_rotten_tomatoes, read_jsonl
 from dynmoe_dist.tasks.vision import load_mnist_csv
-
 
 # -- assets ---------------------------------------------------------------------------------------
 
