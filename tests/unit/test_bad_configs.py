@@ -162,3 +162,20 @@ def test_torchrun_launcher_fails_before_any_process_group(tmp_path):
     assert proc.returncode != 0
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("dynmoe-train: error:")]
     assert errors and all("parallel.ep_size (3) does not divide the world size (2" in e for e in errors), errors
+
+
+def test_errors_from_inside_the_run_are_one_line_too(monkeypatch, capsys):
+    """A CheckpointError (a ValueError) raised while training, with a multi-line message from torch."""
+    from dynmoe_dist.train import run as run_module
+    from dynmoe_dist.train.checkpoint import CheckpointError
+
+    def failing_run(config):
+        raise CheckpointError("checkpoint file x/meta.pt is corrupt or unreadable: Weights only load failed.\n\n"
+                              "Check the documentation of torch.load")
+
+    monkeypatch.setattr(run_module, "run", failing_run)
+    assert main([]) == 2
+    _check_error_line(capsys.readouterr().err, ["x/meta.pt is corrupt", "failed. Check the documentation"])
+    monkeypatch.setenv("DYNMOE_TRACEBACK", "1")  # the escape hatch for debugging shows the traceback
+    with pytest.raises(CheckpointError):
+        main([])
