@@ -18,8 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple, get_type_hints
 
-from .config_types import conforms, describe
-from .moe.config import MoEConfig, _require
+from .moe.config import MoEConfig, _require, conforms, describe
 
 EXPERT_INITS = ("reuse_discarded", "average", "weighted_average", "most_activated", "random")
 PRECISIONS = ("float32", "float64", "bf16")

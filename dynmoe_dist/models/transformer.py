@@ -6,15 +6,14 @@ Every model returns a ``ModelOutput``: the logits and the summed (already weight
 of its MoE layers. Blocks are pre-LayerNorm; ``moe_layers`` lists the block indices whose FFN is an
 MoE layer (fresh, independently initialised experts: these models train from scratch).
 
-The models take the run configuration's own ``ModelConfig`` (dim, num_heads, num_layers, ffn_dim,
-dropout, moe_layers, patch_size; validated when it is made) and the ``MoEConfig`` of their MoE layers,
-whose dim and ffn_dim the model sets.
+The models take the run configuration's own ``ModelConfig`` (its [model] section, validated when it is
+made, moe_layers included) and the ``MoEConfig`` of their MoE layers, whose dim and ffn_dim they set.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Optional
+from typing import List, Optional, Protocol
 
 import torch
 import torch.nn as nn
@@ -23,8 +22,18 @@ from torch import Tensor
 
 from ..moe import FeedForward, MoEConfig, MoELayer, MoEOutput
 
-if TYPE_CHECKING:  # the run configuration imports the tasks, which import this module
-    from ..config import ModelConfig
+
+class ModelShape(Protocol):
+    """The fields these models read of ``dynmoe_dist.config.ModelConfig``. A type only: models sit below
+    the run configuration in the layer order, so they name what they read instead of importing it."""
+
+    dim: int
+    num_heads: int
+    num_layers: int
+    ffn_dim: int
+    dropout: float
+    moe_layers: List[int]
+    patch_size: int
 
 
 @dataclass
@@ -78,7 +87,7 @@ class Block(nn.Module):
 class TransformerStack(nn.Module):
     """Blocks + final norm; sums the aux losses of the MoE blocks."""
 
-    def __init__(self, model: ModelConfig, moe: MoEConfig):
+    def __init__(self, model: ModelShape, moe: MoEConfig):
         super().__init__()
         moe_cfg = replace(moe, dim=model.dim, ffn_dim=model.ffn_dim)
         self.blocks = nn.ModuleList(
@@ -112,7 +121,7 @@ def masked_mean(h_BLD: Tensor, valid_BL: Optional[Tensor]) -> Tensor:
 class EncoderClassifier(nn.Module):
     """Token embedding + learned positions -> encoder -> masked mean pool -> linear classifier."""
 
-    def __init__(self, model: ModelConfig, moe: MoEConfig, vocab_size: int, max_len: int, num_classes: int):
+    def __init__(self, model: ModelShape, moe: MoEConfig, vocab_size: int, max_len: int, num_classes: int):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, model.dim)
         self.pos = nn.Parameter(torch.zeros(max_len, model.dim).normal_(0, 0.02))
@@ -128,7 +137,7 @@ class EncoderClassifier(nn.Module):
 class ViTClassifier(nn.Module):
     """Patch front end (non-overlapping patches, linear projection) + encoder + mean pool + head."""
 
-    def __init__(self, model: ModelConfig, moe: MoEConfig, image_size: int, channels: int, num_classes: int):
+    def __init__(self, model: ModelShape, moe: MoEConfig, image_size: int, channels: int, num_classes: int):
         super().__init__()
         patch_size = self.patch_size = model.patch_size
         if image_size % patch_size:
@@ -154,7 +163,7 @@ class ViTClassifier(nn.Module):
 class CausalLM(nn.Module):
     """Decoder-only language model: causal self-attention, LM head tied to the embedding."""
 
-    def __init__(self, model: ModelConfig, moe: MoEConfig, vocab_size: int, max_len: int):
+    def __init__(self, model: ModelShape, moe: MoEConfig, vocab_size: int, max_len: int):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, model.dim)
         self.pos = nn.Parameter(torch.zeros(max_len, model.dim).normal_(0, 0.02))

@@ -5,7 +5,7 @@ from typing import List, Optional, Tuple
 import pytest
 
 from dynmoe_dist.config import RunConfig, load_config, options_help, parse_override
-from dynmoe_dist.config_types import conforms, describe
+from dynmoe_dist.moe.config import conforms, describe
 
 
 def test_toml_and_overrides(tmp_path):

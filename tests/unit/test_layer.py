@@ -144,3 +144,11 @@ def test_padding_does_not_change_encoder_output():
     padded = torch.cat([tokens, torch.zeros(1, 3, dtype=torch.long)], 1)
     valid = torch.tensor([[True] * 5 + [False] * 3])
     torch.testing.assert_close(enc(tokens).logits, enc(padded, valid).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_models_read_only_fields_the_run_config_has():
+    import dataclasses
+
+    from dynmoe_dist.models.transformer import ModelShape
+    fields = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+    assert set(ModelShape.__annotations__) <= set(fields), set(ModelShape.__annotations__) - set(fields)
