@@ -45,11 +45,11 @@ def partial_run(out_dir):
     from dynmoe_dist.train.checkpoint import CheckpointManager
     from dynmoe_dist.train.run import step_once
     trainer = _tweaked_trainer(_config(out_dir))
-    trainer.adaptive = AdaptiveController(trainer, CollectiveCoordinator(trainer.groups))
+    adaptive = AdaptiveController(trainer, CollectiveCoordinator(trainer.groups))
     for _ in range(SAVE_AT):
-        step_once(trainer, trainer.adaptive)
+        step_once(trainer, adaptive)
     assert trainer.recorders[0].window is not None, "the checkpoint must fall inside a window"
-    return str(CheckpointManager(trainer).save()), [layer.num_experts for layer in trainer.moe_layers]
+    return str(CheckpointManager(trainer, adaptive).save()), [layer.num_experts for layer in trainer.moe_layers]
 
 
 def resumed_run(out_dir, checkpoint, ep_size):
