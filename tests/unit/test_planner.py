@@ -145,3 +145,4 @@ def test_more_replicas_when_ceil_shares_pack_unevenly():
     placement, _ = pack_experts(loads, homes, 3, replicate_factor=1.2)
     assert imbalance(rank_loads(placement, loads)) == pytest.approx(1.0)
     assert placement.num_replicas(0) == placement.num_replicas(1) == 3
+
