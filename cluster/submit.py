@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from ..config import RunConfig, load_config
-from . import RayMissing, import_ray
-from .coordinator import NAMESPACE, actor_name, start_plan_actor
-from .worker import train_worker, worker_starts
+from dynmoe_dist.config import RunConfig, load_config
+from dynmoe_dist.cluster import RayMissing, import_ray
+from dynmoe_dist.cluster.coordinator import NAMESPACE, actor_name, start_plan_actor
+from dynmoe_dist.cluster.worker import train_worker, worker_starts
 
 SUMMARY_FILE = "ray_summary.json"
 

@@ -3,7 +3,8 @@
 Shape legend: T tokens, D model dim, E experts (logical), e local experts, R routed rows.
 
 The layer is single-process math. Expert parallelism swaps in another dispatcher (and a statistics
-reducer for the auxiliary losses) from ``dynmoe_dist.parallel``; the layer's code does not change.
+reducer for the auxiliary losses) from ``dynmoe_dist.parallel``; the layer's code does not change, and
+where its experts live is recorded there (``parallel.shard.LayerShard``), not on the layer.
 """
 
 from __future__ import annotations
@@ -125,9 +126,6 @@ class MoELayer(nn.Module):
         self.experts = experts if experts is not None else ExpertBank.fresh(config, config.num_experts)
         self.dispatcher: Dispatcher = LocalDispatcher()
         self.reducer = LocalReducer()
-        # Where the logical experts live (a planning.Placement); set by dynmoe_dist.parallel.
-        # None means every expert is local, in logical-id order.
-        self.placement = None
         # Observers see every routing decision (the adaptive-expert recorder hooks in here).
         self.routing_observers: List[RoutingObserver] = []
 

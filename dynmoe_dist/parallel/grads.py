@@ -8,12 +8,13 @@ is a plain SUM:
     world all-reduce of a buffer laid out identically on every rank (zeros where a rank holds none).
 Parameters without a gradient get zeros first, also in a single process: an expert that received no
 rows must see the same optimizer update (weight decay, moment decay) whatever the world size.
+Which expert is where comes from the layers' ``LayerShard`` records, passed in on every call.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Dict, List, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,13 +23,12 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..moe.experts import expert_param_shapes
-from ..moe.layer import MoELayer, find_moe_layers
-from .expert_parallel import local_expert_ids
 from .groups import ParallelGroups, named, sum_over_ranks
+from .shard import LayerShard
 
 
-def expert_param_ids(model: nn.Module) -> set:
-    return {id(p) for _, layer in find_moe_layers(model) for p in layer.experts.parameters()}
+def expert_param_ids(shards: Sequence[LayerShard]) -> set:
+    return {id(p) for shard in shards for p in shard.layer.experts.parameters()}
 
 
 def trainable(params) -> List[Tensor]:
@@ -51,48 +51,60 @@ def all_reduce_flat(tensors: List[Tensor], group, groups: ParallelGroups, what: 
         t.copy_(synced)
 
 
+@dataclass
+class ParamSplit:
+    dense: List[Tensor]
+    sharded: List[Tensor]
+    """Parameters of experts with a single holder per ep group."""
+    replicated: List[Tuple[LayerShard, int, List[Tensor]]]
+    """(shard, logical expert, params) of the replicated experts this rank holds."""
+
+    def all_params(self) -> List[Tensor]:
+        return self.dense + self.sharded + [p for _, _, ps in self.replicated for p in ps]
+
+
+def split_params(model: nn.Module, shards: Sequence[LayerShard]) -> ParamSplit:
+    expert_ids = expert_param_ids(shards)
+    dense = trainable(p for p in model.parameters() if id(p) not in expert_ids)
+    sharded: List[Tensor] = []
+    replicated = []
+    for shard in shards:
+        for expert, module in shard.local_modules():
+            params = trainable(module.parameters())
+            if shard.is_replicated(expert):
+                replicated.append((shard, expert, params))
+            else:
+                sharded += params
+    return ParamSplit(dense, sharded, replicated)
+
+
 class GradSync:
     def __init__(self, model: nn.Module, groups: ParallelGroups):
         self.model = model
         self.groups = groups
 
-    def _split(self) -> Tuple[List[Tensor], List[Tensor], List[Tuple[MoELayer, int, List[Tensor]]]]:
-        """(dense params, non-replicated expert params, [(layer, expert id, params)] of replicas)."""
-        expert_ids = expert_param_ids(self.model)
-        dense = trainable(p for p in self.model.parameters() if id(p) not in expert_ids)
-        sharded, replicated = [], []
-        for _, layer in find_moe_layers(self.model):
-            for expert, module in zip(local_expert_ids(layer, self.groups), layer.experts.experts):
-                params = trainable(module.parameters())
-                if layer.placement is not None and layer.placement.num_replicas(expert) > 1:
-                    replicated.append((layer, expert, params))
-                else:
-                    sharded += params
-        return dense, sharded, replicated
-
-    def sync(self) -> None:
-        dense, sharded, replicated = self._split()
-        fill_missing_grads(dense + sharded + [p for _, _, ps in replicated for p in ps])
+    def sync(self, shards: Sequence[LayerShard]) -> None:
+        split = split_params(self.model, shards)
+        fill_missing_grads(split.all_params())
         if not self.groups.distributed:
             return
-        all_reduce_flat([p.grad for p in dense], None, self.groups, "dense gradient all_reduce")
+        all_reduce_flat([p.grad for p in split.dense], None, self.groups, "dense gradient all_reduce")
         if self.groups.dp_size > 1:
-            all_reduce_flat([p.grad for p in sharded], self.groups.dp_group, self.groups,
+            all_reduce_flat([p.grad for p in split.sharded], self.groups.expert_dp_group, self.groups,
                             "expert gradient all_reduce (expert-dp group)")
-        self._sync_replicas(replicated)
+        self._sync_replicas(shards, split.replicated)
 
-    def _sync_replicas(self, held: List[Tuple[MoELayer, int, List[Tensor]]]) -> None:
+    def _sync_replicas(self, shards: Sequence[LayerShard], held: List[Tuple[LayerShard, int, List[Tensor]]]) -> None:
         """One world all-reduce over a buffer with a slot for every replicated expert of every layer."""
-        held_grads = {(id(layer), expert): [p.grad for p in params] for layer, expert, params in held}
+        held_grads = {(shard.index, expert): [p.grad for p in params] for shard, expert, params in held}
         buffers: List[Tensor] = []
         mine: Dict[int, List[Tensor]] = {}
-        for _, layer in find_moe_layers(self.model):
-            if layer.placement is None:
-                continue
-            for expert in layer.placement.replicated_experts():
-                grads = held_grads.get((id(layer), expert))
+        for shard in shards:
+            for expert in shard.placement.replicated_experts():
+                grads = held_grads.get((shard.index, expert))
                 if grads is None:
-                    grads = [layer.router.weight.new_zeros(s) for s in expert_param_shapes(layer.config)]
+                    like = shard.layer.router.weight
+                    grads = [like.new_zeros(s) for s in expert_param_shapes(shard.layer.config)]
                 else:
                     mine[len(buffers)] = grads
                 buffers.append(_flatten_dense_tensors(grads))
@@ -107,26 +119,31 @@ class GradSync:
             for g, s in zip(grads, _unflatten_dense_tensors(synced, grads)):
                 g.copy_(s)
 
-    def grad_norm(self) -> float:
-        """Global L2 norm with every logical parameter counted once (dense once, each expert once)."""
-        dense, sharded, replicated = self._split()
-        dense_sq = sum(float(p.grad.double().pow(2).sum()) for p in dense if p.grad is not None)
-        expert_sq = sum(float(p.grad.double().pow(2).sum()) for p in sharded if p.grad is not None)
-        for layer, expert, params in replicated:
-            share = 1.0 / layer.placement.num_replicas(expert)
-            expert_sq += share * sum(float(p.grad.double().pow(2).sum()) for p in params)
+    def grad_norm(self, shards: Sequence[LayerShard]) -> Tensor:
+        """Global L2 norm (a 0-d float64 tensor on the device) with every logical parameter counted
+        once: dense once, each expert once. One fused norm pass per group, no host read."""
+        split = split_params(self.model, shards)
+        dense_sq = _sum_of_squares([p.grad for p in split.dense if p.grad is not None], self.groups.device)
+        expert_sq = _sum_of_squares([p.grad for p in split.sharded if p.grad is not None], self.groups.device)
+        for shard, expert, params in split.replicated:
+            share = 1.0 / shard.placement.num_replicas(expert)
+            expert_sq = expert_sq + share * _sum_of_squares([p.grad for p in params], self.groups.device)
         if self.groups.distributed and self.groups.ep_size > 1:
-            total = torch.tensor([expert_sq], dtype=torch.float64)
-            expert_sq = float(sum_over_ranks(total, self.groups, "gradient norm all_reduce (ep group)",
-                                             self.groups.ep_group))
-        return math.sqrt(dense_sq + expert_sq)
+            expert_sq = sum_over_ranks(expert_sq.reshape(1), self.groups, "gradient norm all_reduce (ep group)",
+                                       self.groups.ep_group).reshape(())
+        return (dense_sq + expert_sq).sqrt()
 
-    def clip(self, max_norm: float) -> float:
+    def clip(self, shards: Sequence[LayerShard], max_norm: float) -> float:
         """Scale all gradients so the global norm is at most max_norm; returns the norm before."""
-        norm = self.grad_norm()
-        if max_norm > 0 and norm > max_norm:
-            scale = max_norm / (norm + 1e-6)
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        return norm
+        norm = self.grad_norm(shards)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if max_norm > 0 and grads:
+            scale = torch.where(norm > max_norm, max_norm / (norm + 1e-6), torch.ones_like(norm))
+            torch._foreach_mul_(grads, scale.to(grads[0].dtype))
+        return float(norm)  # NOTE: device-to-host sync, once per step (the logged norm)
+
+
+def _sum_of_squares(tensors: List[Tensor], device: torch.device) -> Tensor:
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(torch._foreach_norm(tensors)).double().pow(2).sum()

@@ -63,9 +63,8 @@ def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factor
     started = time.perf_counter()
     trainer = trainer or Trainer(config)
     from .checkpoint import CheckpointManager
-    checkpoints = CheckpointManager(trainer)
     adaptive = AdaptiveController(trainer, make_coordinator(trainer, coordinator_factory)) if config.adaptive.enabled else None
-    trainer.adaptive = adaptive
+    checkpoints = CheckpointManager(trainer, adaptive)
     if checkpoints.resume(config.output.resume) is None and trainer.is_rank0:
         archive_previous_run(Path(config.output.out_dir))
     total = trainer.schedule.total_steps
