@@ -13,6 +13,7 @@ from ..coordination import CollectiveCoordinator
 from ..parallel.groups import barrier
 from .adaptive import AdaptiveController
 from .loop import Trainer
+from .startup import resolve_optional_features
 from .telemetry import Telemetry
 
 
@@ -61,6 +62,7 @@ def step_once(trainer: Trainer, adaptive: Optional[AdaptiveController]):
 
 def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factory: Optional[Callable] = None) -> Dict:
     started = time.perf_counter()
+    config = resolve_optional_features(config)  # idempotent: the CLI has done it already
     trainer = trainer or Trainer(config)
     from .checkpoint import CheckpointManager
     adaptive = AdaptiveController(trainer, make_coordinator(trainer, coordinator_factory)) if config.adaptive.enabled else None
