@@ -22,6 +22,8 @@ from .moe.config import MoEConfig, _require, conforms, describe
 
 EXPERT_INITS = ("reuse_discarded", "average", "weighted_average", "most_activated", "random")
 PRECISIONS = ("float32", "float64", "bf16")
+SHARDINGS = ("replicate", "fsdp")
+ACTIVATION_CHECKPOINTING = ("none", "block")
 
 
 @dataclass
@@ -111,6 +113,9 @@ class TrainConfig:
     """Write a metrics.jsonl line every N steps."""
     threads: int = 0
     """torch threads per process (0 = torch's default; torchrun already sets 1 per rank on CPU)."""
+    activation_checkpointing: str = "none"
+    """'none', or 'block': recompute each transformer block's activations in the backward pass (routing
+    statistics still count every token once)."""
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
@@ -128,6 +133,9 @@ class TrainConfig:
             _require(getattr(self, name) >= 0, f"train.{name} ({getattr(self, name)}) must be >= 0")
         _require(0.0 <= self.min_lr_ratio <= 1.0, f"train.min_lr_ratio ({self.min_lr_ratio}) must be in [0, 1]")
         _require(all(0.0 <= b < 1.0 for b in self.betas), f"train.betas ({self.betas}) must be in [0, 1)")
+        _require(self.activation_checkpointing in ACTIVATION_CHECKPOINTING,
+                 f"train.activation_checkpointing ({self.activation_checkpointing!r}) must be one of "
+                 f"{ACTIVATION_CHECKPOINTING}")
 
 
 @dataclass
@@ -142,6 +150,13 @@ class ParallelConfig:
     """Who plans adaptive events: 'auto' (Ray actor under Ray, collectives otherwise), 'collective', 'ray'."""
     device: str = "auto"
     """'auto' (cuda:local_rank when available), 'cpu' or 'cuda'."""
+    dense_sharding: str = "replicate"
+    """Dense weights (embeddings, attention, norms, heads): 'replicate' on every rank, or 'fsdp' (FSDP2
+    fully_shard over the world, per transformer block plus the root; routers stay replicated)."""
+    expert_sharding: str = "replicate"
+    """Each expert across its expert-dp group (the ranks holding the same expert shard): 'replicate', or
+    'fsdp' (FSDP2 fully_shard over that group; every rank runs every local expert each step, even on zero
+    rows, so the collectives always line up)."""
 
     def __post_init__(self):
         _require(self.ep_size >= 0, f"parallel.ep_size ({self.ep_size}) must be >= 0")
@@ -150,6 +165,9 @@ class ParallelConfig:
         _require(self.coordinator in ("auto", "collective", "ray"),
                  f"parallel.coordinator ({self.coordinator!r}) must be auto, collective or ray")
         _require(self.device in ("auto", "cpu", "cuda"), f"parallel.device ({self.device!r}) must be auto, cpu or cuda")
+        for name in ("dense_sharding", "expert_sharding"):
+            value = getattr(self, name)
+            _require(value in SHARDINGS, f"parallel.{name} ({value!r}) must be one of {SHARDINGS}")
 
 
 @dataclass

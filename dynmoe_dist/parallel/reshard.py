@@ -17,6 +17,7 @@ from torch import Tensor
 from ..moe.experts import expert_param_specs
 from ..planning.placement import Placement
 from .expert_parallel import install_shard
+from .fsdp import copy_into
 from .groups import ParallelGroups
 from .migrate import expert_with
 from .shard import LayerShard
@@ -86,9 +87,9 @@ def _prefix(shard: LayerShard) -> str:
     return f"{shard.name}." if shard.name else ""
 
 
-@torch.no_grad()
 def load_dense(model_params: Sequence[Tuple[str, nn.Parameter]], saved: Mapping[str, Tensor]) -> None:
+    """Copy saved full tensors into the dense parameters (each rank keeps its own shard under FSDP)."""
     for name, p in model_params:
         if name not in saved:
             raise ValueError(f"the checkpoint has no weights for parameter {name}")
-        p.copy_(saved[name])
+        copy_into(p, saved[name])

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from ..coordination import Coordinator, PlanRequest
+from ..parallel.fsdp import shard_experts, unshard_experts
 from ..parallel.migrate import apply_layer_plan
 from ..planning.planner import Plan, PlannerConfig
 from .optim import refresh_param_groups
@@ -78,12 +79,14 @@ class AdaptiveController:
     def apply(self, plan: Plan) -> List[Dict]:
         t = self.trainer
         events = []
+        unshard_experts(t.shards, t.sharding, t.optimizer)  # plans move and combine whole experts
         for lp in plan.layers:
             before = t.shards[lp.layer]
             t.shards[lp.layer], self.discarded[lp.layer] = apply_layer_plan(
                 lp, before, t.optimizer, t.groups, self.discarded[lp.layer])
             if lp.changes_experts() or lp.placement != before.placement:
                 events.append(self.event_record(plan, lp))
+        shard_experts(t.shards, t.sharding, t.optimizer)
         refresh_param_groups(t.optimizer, t.model)
         t.recorders.end_window()
         self.version = plan.version

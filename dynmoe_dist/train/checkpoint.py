@@ -25,6 +25,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..parallel.fsdp import full, shard_experts
 from ..parallel.groups import barrier, sum_over_ranks
 from ..parallel.reshard import (dense_named_parameters, load_dense, local_expert_parameters, owned_expert_parameters,
                                 owner_files_needed, reshard, resume_placement)
@@ -82,17 +83,19 @@ class CheckpointManager:
         root = checkpoint_root(t.config.output.out_dir)
         final = root / f"step_{t.step:06d}"
         tmp = root / f"step_{t.step:06d}.tmp"
+        # Every rank builds every payload: under FSDP, full tensors are gathered collectively.
         window = self._summed_window()
         optimizer = self._optimizer_state().state_dict()
+        dense, experts = self._dense_payload(optimizer["dense"]), self._expert_payload(optimizer["experts"])
         if t.is_rank0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True, exist_ok=True)
         barrier(t.groups, "checkpoint start")
         if t.is_rank0:
-            atomic_save(self._dense_payload(optimizer["dense"]), tmp / "dense.pt")
+            atomic_save(dense, tmp / "dense.pt")
             atomic_save(self._meta_payload(window), tmp / "meta.pt")
         if t.groups.dp_rank == 0:
-            atomic_save(self._expert_payload(optimizer["experts"]), tmp / f"experts_ep{t.groups.ep_rank}.pt")
+            atomic_save(experts, tmp / f"experts_ep{t.groups.ep_rank}.pt")
         barrier(t.groups, "checkpoint written")
         if t.is_rank0:
             shutil.rmtree(final, ignore_errors=True)
@@ -109,11 +112,11 @@ class CheckpointManager:
 
     def _dense_payload(self, optimizer_dense: Dict) -> Dict:
         t = self.trainer
-        return {"params": {n: p.detach().cpu().clone() for n, p in dense_named_parameters(t.model, t.shards)},
+        return {"params": {n: full(p.detach()).cpu().clone() for n, p in dense_named_parameters(t.model, t.shards)},
                 "state": optimizer_dense}
 
     def _expert_payload(self, optimizer_experts: Dict) -> Dict:
-        return {key: {"params": {n: p.detach().cpu().clone() for n, p in params.items()},
+        return {key: {"params": {n: full(p.detach()).cpu().clone() for n, p in params.items()},
                       "state": optimizer_experts.get(key, {})}
                 for key, params in owned_expert_parameters(self.trainer.shards).items()}
 
@@ -158,6 +161,7 @@ class CheckpointManager:
             experts.update(load_file(path / f"experts_ep{owner}.pt"))
         t.shards = reshard(t.shards, placements, dense["params"],
                            {key: e["params"] for key, e in experts.items()}, t.groups)
+        shard_experts(t.shards, t.sharding)
         load_dense(dense_named_parameters(t.model, t.shards), dense["params"])
         refresh_param_groups(t.optimizer, t.model)
         self._optimizer_state().load_state_dict(

@@ -16,7 +16,9 @@ import torch
 
 from ..config import RunConfig
 from ..moe.layer import MoELayer, find_moe_layers
+from ..parallel.blocks import apply_activation_checkpointing
 from ..parallel.expert_parallel import parallelize
+from ..parallel.fsdp import plan_sharding, shard_dense, shard_experts
 from ..parallel.grads import GradSync
 from ..parallel.groups import (ParallelGroups, check_same_everywhere, current_world_size, init_groups,
                                resolve_ep_size, sum_over_ranks)
@@ -57,6 +59,8 @@ class Trainer:
         self.schedule.check_world(self.world_size)
         torch.manual_seed(config.train.seed)
         self.model = self.task.build_model(config)
+        if config.train.activation_checkpointing == "block":
+            apply_activation_checkpointing(self.model)  # fails here, before any collective, without blocks
         self.moe_layers: List[MoELayer] = [layer for _, layer in find_moe_layers(self.model)]
         self._check_experts_fit(resolve_ep_size(config.parallel.ep_size, self.world_size))
         self.groups: ParallelGroups = init_groups(config.parallel)
@@ -64,8 +68,12 @@ class Trainer:
         self.model.to(self.groups.device, DTYPES[config.train.precision])
         # The one record of where each layer's experts live; plans and resumes replace its entries.
         self.shards: List[LayerShard] = parallelize(self.model, self.groups)
+        # FSDP after expert parallelism; experts first, as they sit inside the blocks.
+        self.sharding = plan_sharding(config.parallel, self.groups, bf16=config.train.precision == "bf16")
+        shard_experts(self.shards, self.sharding)
+        shard_dense(self.model, self.shards, self.sharding)
         self.optimizer = build_optimizer(self.model, config.train)
-        self.grad_sync = GradSync(self.model, self.groups)
+        self.grad_sync = GradSync(self.model, self.groups, experts_sharded=self.sharding.experts)
         self.recorders = Recorders(self.moe_layers)
         self.step = 0
         self.is_rank0 = self.groups.rank == 0

@@ -13,6 +13,8 @@ from typing import Dict, List
 import torch
 import torch.nn as nn
 
+from ..parallel.fsdp import full, shard_like
+
 
 def decays(name: str, param: torch.Tensor) -> bool:
     return param.ndim >= 2 and "router." not in f".{name}"
@@ -66,7 +68,9 @@ def set_lr(optimizer: torch.optim.Optimizer, step: int, train_config, total_step
 
 
 def _cpu_state(state: Dict) -> Dict:
-    return {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+    # A sharded (FSDP) moment is gathered whole: checkpoints hold logical tensors. Collective: every rank
+    # builds its state dict, in the same order.
+    return {k: full(v.detach()).cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()}
 
 
 def _on_device(state: Dict, device) -> Dict:
@@ -104,4 +108,6 @@ class OptimizerState:
     def _load(self, named: Dict, saved: Dict) -> None:
         for name, state in saved.items():
             if name in named:
-                self.optimizer.state[named[name]] = _on_device(state, named[name].device)
+                p = named[name]
+                self.optimizer.state[p] = {k: shard_like(v, p) if k != "step" else v
+                                           for k, v in _on_device(state, p.device).items()}
