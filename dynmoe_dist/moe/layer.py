@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Protocol, Tuple
+from typing import Any, Callable, Iterator, List, Protocol, Tuple
 
 import torch
 import torch.nn as nn
@@ -35,9 +35,20 @@ class MoEOutput:
 
 
 class Dispatcher(Protocol):
-    def dispatch(self, x_TD: Tensor, routing: Routing) -> Tuple[Tensor, Tensor, object]: ...
+    """dispatch returns (rows, counts per local expert, metadata); combine consumes that metadata, whose
+    type is the dispatcher's own (LocalMeta, A2AMeta)."""
 
-    def combine(self, rows_RD: Tensor, meta: object) -> Tensor: ...
+    def dispatch(self, x_TD: Tensor, routing: Routing) -> Tuple[Tensor, Tensor, Any]: ...
+
+    def combine(self, rows_RD: Tensor, meta: Any) -> Tensor: ...
+
+
+class Reducer(Protocol):
+    """Sums the aux losses' token statistics over the data ranks; ``loss_scale`` keeps their sum exact."""
+
+    loss_scale: float
+
+    def sum(self, t: Tensor) -> Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -144,7 +155,7 @@ class MoELayer(nn.Module):
         self.router = TopAnyRouter(config) if config.router == "top_any" else SoftmaxRouter(config)
         self.experts = experts if experts is not None else ExpertBank.fresh(config, config.num_experts)
         self.dispatcher: Dispatcher = LocalDispatcher()
-        self.reducer = LocalReducer()
+        self.reducer: Reducer = LocalReducer()
         # Observers see every routing decision (the adaptive-expert recorder hooks in here).
         self.routing_observers: List[RoutingObserver] = []
 

@@ -16,7 +16,7 @@ import pickle
 import socket
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,10 +29,12 @@ class SimulationError(RuntimeError):
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
-def _rank_main(fn, args, rank, world_size, port, collective_timeout_s, env, queue):
+def _rank_main(fn: Callable[..., Any], args: Tuple[Any, ...], rank: int, world_size: int, port: int,
+               collective_timeout_s: float, env: Dict[str, str], queue: Any) -> None:
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
@@ -54,7 +56,7 @@ def _rank_main(fn, args, rank, world_size, port, collective_timeout_s, env, queu
             pass
 
 
-def run_simulated(fn: Callable, world_size: int, args: Sequence[Any] = (), *, timeout_s: float = 300.0,
+def run_simulated(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *, timeout_s: float = 300.0,
                   collective_timeout_s: float = 60.0, env: Optional[Dict[str, str]] = None) -> List[Any]:
     if world_size < 1:
         raise ValueError(f"world_size ({world_size}) must be >= 1")
@@ -75,7 +77,7 @@ def run_simulated(fn: Callable, world_size: int, args: Sequence[Any] = (), *, ti
             p.join(timeout=5)
 
 
-def _collect(queue, procs, world_size: int, timeout_s: float) -> List[Any]:
+def _collect(queue: Any, procs: List[Any], world_size: int, timeout_s: float) -> List[Any]:
     import queue as queue_mod
     import time
     results: Dict[int, Any] = {}
