@@ -2,6 +2,7 @@
 
 from .base import TASKS, Batch, Task, register, split_indices
 from . import synthetic  # noqa: F401  (registers 'synthetic')
+from . import causal_lm  # noqa: F401  (registers 'causal-lm'; transformers is imported only when it is built)
 
 
 def _load_optional():
