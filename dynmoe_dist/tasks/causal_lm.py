@@ -3,7 +3,8 @@
 Shape legend: N packed sequences, L = task.max_len tokens per sequence, B batch, V vocabulary.
 
 Text: task.path is a .jsonl file ({"text": ...} per line), a .txt file (every non-empty line is one
-document) or a directory of such files. Documents are split into train / held-out *before* packing (so
+document), a directory of such files, or a built-in corpus by name: 'rotten-tomatoes' (the review
+snippets of minilm-sentiment, see tasks/assets.py; labels unused). Documents are split into train / held-out *before* packing (so
 held-out text is unseen), tokenised with the model's tokenizer (task.tokenizer), joined with the EOS
 token between documents and cut into sequences of L + 1 tokens: inputs are the first L, targets the
 last L. Every sequence has exactly L targets, which is what makes the trainer's contract simple: the
@@ -110,10 +111,22 @@ def read_documents(path: Path) -> List[str]:
     return docs
 
 
+def rotten_tomatoes_snippets() -> List[str]:
+    from .text import load_rotten_tomatoes
+    return load_rotten_tomatoes()[0]
+
+
+CORPORA = {"rotten-tomatoes": rotten_tomatoes_snippets}
+
+
 def load_documents(path_text: str, field: str, num_samples: int, seed: int) -> List[str]:
     if not path_text:
-        raise ValueError(f"{field} ('') must name a .txt / .jsonl file or a directory of them for task 'causal-lm'")
-    docs = [d for p in text_files(Path(path_text).expanduser(), field) for d in read_documents(p)]
+        raise ValueError(f"{field} ('') must name a .txt / .jsonl file, a directory of them or a built-in corpus "
+                         f"({', '.join(CORPORA)}) for task 'causal-lm'")
+    if path_text in CORPORA:
+        docs = CORPORA[path_text]()
+    else:
+        docs = [d for p in text_files(Path(path_text).expanduser(), field) for d in read_documents(p)]
     if not docs:
         raise ValueError(f"{field} ({path_text!r}) holds no text")
     keep = subset_indices(len(docs), num_samples, seed).tolist()

