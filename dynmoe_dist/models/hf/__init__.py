@@ -4,7 +4,8 @@ no parallel code. Re-exported as ``dynmoe_dist.hf``."""
 
 from .adapters import SUPPORTED, MLPSite, find_mlps
 from .upcycle import MoEBlock, moe_blocks, num_mlp_blocks, take_aux_loss, upcycle_hf
+from .pretrained import from_pretrained
 from .wrappers import HFCausalLM
 
 __all__ = ["SUPPORTED", "MLPSite", "find_mlps", "MoEBlock", "moe_blocks", "num_mlp_blocks", "take_aux_loss",
-           "upcycle_hf", "HFCausalLM"]
+           "upcycle_hf", "HFCausalLM", "from_pretrained"]
