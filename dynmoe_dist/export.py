@@ -75,7 +75,8 @@ def export(checkpoint, out) -> Path:
     checkpoint, out = Path(checkpoint), Path(out)
     meta, run, dense, experts = read_checkpoint(checkpoint)
     counts = [int(n) for n in meta["num_experts"]]
-    model = load_model(run.model.path, "causal-lm")
+    # The checkpoint's dtype (float64 runs export float64; bf16 runs keep fp32 masters).
+    model = load_model(run.model.path, "causal-lm").to(next(iter(dense.values())).dtype)
     blocks = sorted(run.model.moe_layers)
     install_moe_blocks(model, run.moe, blocks, counts)
     fill_dense(model, dense, checkpoint)

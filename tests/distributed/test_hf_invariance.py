@@ -57,3 +57,13 @@ def test_same_losses_on_one_and_two_ranks(files, tmp_path):
         experts.update(torch.load(step_dir / f"experts_ep{r}.pt", weights_only=False))
     assert sorted(experts) == [f"{layer}/{e}" for layer in range(2) for e in range(4)]
     assert sorted(experts["0/0"]["params"]) == ["w_gate", "w_in", "w_out"]
+    # exported, the 2-rank checkpoint is the same model as the 1-rank one (ranks and ep size folded away)
+    from dynmoe_dist.export import export
+    from dynmoe_dist.hf import from_pretrained
+    one, two = (from_pretrained(export(next((tmp_path / name / "checkpoints").glob("step_*")), tmp_path / f"x_{name}"))
+                for name in ("one", "two"))
+    ids = torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = one(input_ids=ids).logits, two(input_ids=ids).logits
+    assert a.dtype == torch.float64
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-9)

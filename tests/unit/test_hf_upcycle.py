@@ -27,6 +27,12 @@ def llama():
                                               num_key_value_heads=1, max_position_embeddings=32))
 
 
+def llama_bias():  # mlp_bias: gate/up/down carry biases
+    return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=F, mlp_bias=True,
+                                              num_hidden_layers=N_LAYERS, num_attention_heads=2,
+                                              num_key_value_heads=1, max_position_embeddings=32))
+
+
 def qwen2():
     return tf.Qwen2ForCausalLM(tf.Qwen2Config(vocab_size=V, hidden_size=D, intermediate_size=F,
                                               num_hidden_layers=N_LAYERS, num_attention_heads=2,
@@ -57,9 +63,9 @@ def vit():
         attention_probs_dropout_prob=0.0))
 
 
-BUILDERS = {"llama": llama, "qwen2": qwen2, "mistral": mistral, "gpt2": gpt2, "bert": bert, "vit": vit}
+BUILDERS = {"llama": llama, "llama_bias": llama_bias, "qwen2": qwen2, "mistral": mistral, "gpt2": gpt2, "bert": bert, "vit": vit}
 # What the adapter must read off each family: expert kind and activation.
-EXPECTED = {"llama": ("gated", "silu"), "qwen2": ("gated", "silu"), "mistral": ("gated", "silu"),
+EXPECTED = {"llama": ("gated", "silu"), "llama_bias": ("gated", "silu"), "qwen2": ("gated", "silu"), "mistral": ("gated", "silu"),
             "gpt2": ("ffn", "gelu_tanh"), "bert": ("ffn", "gelu"), "vit": ("ffn", "gelu")}
 
 

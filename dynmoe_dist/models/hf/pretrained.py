@@ -102,9 +102,10 @@ def read_section(directory: Path) -> Dict:
     return section
 
 
-def from_pretrained(directory, *, eval_k0: Optional[str] = None, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The exported HF model with its DynMoE blocks, in eval mode. ``eval_k0`` overrides the exported
-    choice for tokens that select no expert ('top1' fallback or 'skip': MoE output 0)."""
+def from_pretrained(directory, *, eval_k0: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """The exported HF model with its DynMoE blocks, in eval mode, in ``dtype`` (None: as saved).
+    ``eval_k0`` overrides the exported choice for tokens that select no expert ('top1' fallback or
+    'skip': MoE output 0)."""
     from safetensors.torch import load_file
     directory = Path(directory)
     section = read_section(directory)
@@ -115,10 +116,12 @@ def from_pretrained(directory, *, eval_k0: Optional[str] = None, dtype: torch.dt
     if model_class is None:
         raise ValueError(f"from_pretrained: config.json architectures ({config.architectures}) names no "
                          "transformers model class")
+    state = load_file(str(directory / "model.safetensors"))
+    dtype = dtype or next(iter(state.values())).dtype
     model = model_class(config).to(dtype)
     options = dict(section["moe"], **({"eval_k0": eval_k0} if eval_k0 is not None else {}))
     install_moe_blocks(model, MoEConfig(**options), section["moe_blocks"], section["num_experts"])
-    load_weights(model, load_file(str(directory / "model.safetensors")), str(directory))
+    load_weights(model, state, str(directory))
     return model.to(dtype).eval()
 
 
