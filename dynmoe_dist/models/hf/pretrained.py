@@ -71,6 +71,8 @@ def save_exported(model: nn.Module, section: Dict, out: Path, tokenizer=None) ->
     from safetensors.torch import save_file
     out.mkdir(parents=True, exist_ok=True)
     model.config.dynmoe = section
+    # A config read from GGUF names no architecture; from_pretrained needs it to pick the class.
+    model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(str(out))
     save_file(unshared_state(model), str(out / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
