@@ -170,3 +170,13 @@ def test_config_requires_path_for_hf():
         load_config(None, ["model.source='hf'"])
     with pytest.raises(ValueError, match=r"model.source \('hub'\) must be one of"):
         load_config(None, ["model.source='hub'"])
+
+
+def test_trainer_fails_before_any_process_group(tmp_path, text_file, model_dir):
+    import torch.distributed as dist
+    from dynmoe_dist.train.loop import Trainer
+    config = config_for(model_dir, text_file)
+    config.model.path = str(tmp_path / "missing")
+    with pytest.raises(ValueError, match=r"model.path \('.*missing'\) does not exist"):
+        Trainer(config)
+    assert not dist.is_initialized()

@@ -105,3 +105,18 @@ def test_export_rejects_a_non_checkpoint_and_a_builtin_run(tmp_path, capsys):
     atomic_save({"config": json.dumps(config.to_dict(), default=list)}, tmp_path / "meta.pt")
     with pytest.raises(ValueError, match=r"model.source \('builtin'\); only 'hf' runs export"):
         export(tmp_path, tmp_path / "out")
+
+
+def test_resume_restores_the_grown_model(trained):
+    from dynmoe_dist.train.checkpoint import CheckpointManager
+    from dynmoe_dist.train.loop import Trainer
+    trainer, _, checkpoint, _ = trained
+    fresh = Trainer(trainer.config)  # built with moe.num_experts = 2 per layer
+    CheckpointManager(fresh).resume(str(checkpoint))
+    assert [l.num_experts for l in fresh.moe_layers] == [l.num_experts for l in trainer.moe_layers]
+    assert fresh.step == trainer.step
+    ids = torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(2))
+    fresh.model.eval(), trainer.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fresh.model(input_ids=ids).logits, trainer.model(input_ids=ids).logits,
+                                   rtol=0, atol=0)
