@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from dynmoe_dist.moe import ExpertBank, GatedFeedForward, MoEConfig, MoELayer, upcycle
 from dynmoe_dist.moe.experts import ACTIVATION_FNS, expert_param_specs, new_expert, reference_forward
