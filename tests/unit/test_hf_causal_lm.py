@@ -180,3 +180,12 @@ def test_trainer_fails_before_any_process_group(tmp_path, text_file, model_dir):
     with pytest.raises(ValueError, match=r"model.path \('.*missing'\) does not exist"):
         Trainer(config)
     assert not dist.is_initialized()
+
+
+def test_smollm2_run_config_trains_only_the_top_two_blocks():
+    config = load_config("launcher/configs/smollm2_dynmoe.toml")
+    assert (config.task.name, config.model.source, config.model.num_layers) == ("causal-lm", "hf", 30)
+    assert config.model.moe_layers == [28, 29] and config.moe.num_experts == 4
+    # freeze prefixes stop at dots: 'model.layers.2' does not freeze block 28
+    assert sorted(config.model.freeze) == sorted(["model.embed_tokens"] + [f"model.layers.{i}" for i in range(28)])
+    assert config.parallel.ep_size == 2 and config.task.tokenizer == config.model.path
