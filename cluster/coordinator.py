@@ -26,10 +26,10 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..coordination import PlanMismatch, PlanRequest, verify_plan
-from ..planning.planner import Plan
-from ..planning.stats import WindowStats
-from . import import_ray
+from dynmoe_dist.coordination import PlanMismatch, PlanRequest, verify_plan
+from dynmoe_dist.planning.planner import Plan
+from dynmoe_dist.planning.stats import WindowStats
+from dynmoe_dist.cluster import import_ray
 
 NAMESPACE = "dynmoe"
 PLANNED_BY = "ray"

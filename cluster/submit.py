@@ -19,10 +19,11 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from ..config import RunConfig, load_config
-from . import RayMissing, import_ray
-from .coordinator import NAMESPACE, actor_name, start_plan_actor
-from .worker import train_worker, worker_starts
+from dynmoe_dist.config import RunConfig, check_world, load_config
+from dynmoe_dist.cluster import RayMissing, import_ray
+from dynmoe_dist.cluster.coordinator import NAMESPACE, actor_name, start_plan_actor
+from dynmoe_dist.cluster.worker import train_worker, worker_starts
+from dynmoe_dist.train.startup import prepare_run
 
 SUMMARY_FILE = "ray_summary.json"
 
@@ -52,7 +53,8 @@ def resolve(args) -> RunConfig:
     if args.max_failures < 0 or args.coordinator_restarts < 0:
         raise ValueError(f"--max-failures ({args.max_failures}) and --coordinator-restarts "
                          f"({args.coordinator_restarts}) must be >= 0")
-    config = load_config(args.config, args.overrides)
+    config = prepare_run(load_config(args.config, args.overrides))
+    check_world(config, args.num_workers)  # the workers' WORLD_SIZE is not known when the config loads
     name = args.name or Path(config.output.out_dir).name
     out_dir = Path(args.storage_path).expanduser().resolve() / name
     config.output.out_dir = str(out_dir)

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Dict
 
-from . import import_ray
-from .coordinator import coordinator_factory
+from dynmoe_dist.cluster import import_ray
+from dynmoe_dist.cluster.coordinator import coordinator_factory
 
 WORKERS_DIR = "workers"
 
@@ -45,7 +45,7 @@ def train_worker(loop_config: Dict) -> None:
     """Ray Train's train_loop_per_worker: loop_config = {"config": RunConfig, "run_name": str}."""
     ray = import_ray()
     import_ray("ray.train.torch")
-    from ..train.run import run  # after Ray Train set up the process group and the rank variables
+    from dynmoe_dist.train.run import run  # after Ray Train set up the process group and the rank variables
 
     config = loop_config["config"]
     context = ray.train.get_context()

@@ -11,15 +11,19 @@ import dataclasses
 import hashlib
 import inspect
 import json
+import os
 import tomllib
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple, get_type_hints
 
-from .moe.config import MoEConfig, _require
+from .moe.config import MoEConfig, _require, conforms, describe
 
 EXPERT_INITS = ("reuse_discarded", "average", "weighted_average", "most_activated", "random")
 PRECISIONS = ("float32", "float64", "bf16")
+SHARDINGS = ("replicate", "fsdp")
+ACTIVATION_CHECKPOINTING = ("none", "block")
 MODEL_SOURCES = ("builtin", "hf")
 
 
@@ -82,6 +86,11 @@ class ModelConfig:
         for i in self.moe_layers:
             _require(0 <= i < self.num_layers,
                      f"model.moe_layers entry ({i}) outside [0, num_layers ({self.num_layers}))")
+        _require(len(set(self.moe_layers)) == len(self.moe_layers),
+                 f"model.moe_layers ({self.moe_layers}) lists a layer twice")
+        _require(self.patch_size >= 1, f"model.patch_size ({self.patch_size}) must be >= 1")
+        for name in ("dim", "num_heads", "ffn_dim"):
+            _require(getattr(self, name) >= 1, f"model.{name} ({getattr(self, name)}) must be >= 1")
 
 
 @dataclass
@@ -116,6 +125,9 @@ class TrainConfig:
     """Write a metrics.jsonl line every N steps."""
     threads: int = 0
     """torch threads per process (0 = torch's default; torchrun already sets 1 per rank on CPU)."""
+    activation_checkpointing: str = "none"
+    """'none', or 'block': recompute each transformer block's activations in the backward pass (routing
+    statistics still count every token once)."""
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
@@ -129,6 +141,13 @@ class TrainConfig:
         _require(self.precision in PRECISIONS, f"train.precision ({self.precision!r}) must be one of {PRECISIONS}")
         _require(self.log_every >= 1, f"train.log_every ({self.log_every}) must be >= 1")
         _require(self.threads >= 0, f"train.threads ({self.threads}) must be >= 0")
+        for name in ("max_steps", "warmup_steps", "eval_every", "weight_decay", "grad_clip"):
+            _require(getattr(self, name) >= 0, f"train.{name} ({getattr(self, name)}) must be >= 0")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, f"train.min_lr_ratio ({self.min_lr_ratio}) must be in [0, 1]")
+        _require(all(0.0 <= b < 1.0 for b in self.betas), f"train.betas ({self.betas}) must be in [0, 1)")
+        _require(self.activation_checkpointing in ACTIVATION_CHECKPOINTING,
+                 f"train.activation_checkpointing ({self.activation_checkpointing!r}) must be one of "
+                 f"{ACTIVATION_CHECKPOINTING}")
 
 
 @dataclass
@@ -143,6 +162,13 @@ class ParallelConfig:
     """Who plans adaptive events: 'auto' (Ray actor under Ray, collectives otherwise), 'collective', 'ray'."""
     device: str = "auto"
     """'auto' (cuda:local_rank when available), 'cpu' or 'cuda'."""
+    dense_sharding: str = "replicate"
+    """Dense weights (embeddings, attention, norms, heads): 'replicate' on every rank, or 'fsdp' (FSDP2
+    fully_shard over the world, per transformer block plus the root; routers stay replicated)."""
+    expert_sharding: str = "replicate"
+    """Each expert across its expert-dp group (the ranks holding the same expert shard): 'replicate', or
+    'fsdp' (FSDP2 fully_shard over that group; every rank runs every local expert each step, even on zero
+    rows, so the collectives always line up)."""
 
     def __post_init__(self):
         _require(self.ep_size >= 0, f"parallel.ep_size ({self.ep_size}) must be >= 0")
@@ -151,6 +177,9 @@ class ParallelConfig:
         _require(self.coordinator in ("auto", "collective", "ray"),
                  f"parallel.coordinator ({self.coordinator!r}) must be auto, collective or ray")
         _require(self.device in ("auto", "cpu", "cuda"), f"parallel.device ({self.device!r}) must be auto, cpu or cuda")
+        for name in ("dense_sharding", "expert_sharding"):
+            value = getattr(self, name)
+            _require(value in SHARDINGS, f"parallel.{name} ({value!r}) must be one of {SHARDINGS}")
 
 
 @dataclass
@@ -186,6 +215,11 @@ class AdaptiveConfig:
         _require(self.max_replicas >= 0, f"adaptive.max_replicas ({self.max_replicas}) must be >= 0")
 
 
+# Options only adding and removing experts reads. Only top-any layers add and remove experts: under
+# top_k / top_p routers the adaptive events re-place and replicate experts, nothing else.
+ADD_REMOVE_OPTIONS = ("adaptive.max_adds_per_event", "adaptive.expert_init", "moe.max_experts", "moe.min_experts")
+
+
 @dataclass
 class OutputConfig:
     out_dir: str = "runs/latest"
@@ -204,6 +238,10 @@ class OutputConfig:
     """Complete checkpoints kept on disk (older ones are deleted after a new one is complete)."""
     resume: str = ""
     """'' (fresh start), 'auto' (newest complete checkpoint in out_dir, if any) or a checkpoint path."""
+
+    def __post_init__(self):
+        _require(self.checkpoint_every >= 0, f"output.checkpoint_every ({self.checkpoint_every}) must be >= 0")
+        _require(self.keep_checkpoints >= 1, f"output.keep_checkpoints ({self.keep_checkpoints}) must be >= 1")
 
 
 @dataclass
@@ -239,6 +277,9 @@ class RunConfig:
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    explicit: FrozenSet[str] = field(default_factory=frozenset, compare=False, repr=False)
+    """'section.key' of every option the user set (file or --set), recorded by the loader: start-up
+    checks fail for a feature asked for by name but only warn about a default (train/startup.py)."""
 
     def to_dict(self) -> Dict[str, Dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
@@ -300,9 +341,81 @@ def from_dict(data: Dict[str, Dict[str, Any]]) -> RunConfig:
         if not isinstance(values, dict):
             raise ValueError(f"section [{name}] must be a table, got {values!r}")
         _check_keys(name, values)
-        sections[name] = SECTIONS[name](**values)
-    return RunConfig(**sections)
+        sections[name] = make_section(name, checked_values(name, values))
+    explicit = frozenset(f"{name}.{key}" for name, values in data.items() for key in values)
+    return RunConfig(**sections, explicit=explicit)
 
+
+def make_section(name: str, values: Dict[str, Any]):
+    try:
+        return SECTIONS[name](**values)
+    except ValueError as err:
+        # MoEConfig is also the layer's own config, so its messages name the bare field ("top_k (9) ...");
+        # in a run file the option is moe.top_k.
+        if name == "moe":
+            raise ValueError(f"moe.{err}") from None
+        raise
+
+
+# -- value types, checked from the dataclass annotations ---------------------------------------------
+
+@lru_cache(maxsize=None)
+def field_types(cls) -> Dict[str, Any]:
+    """Field name -> resolved annotation (the modules use postponed annotations, so resolve them here)."""
+    return get_type_hints(cls)
+
+
+def checked_values(section: str, values: Dict[str, Any]) -> Dict[str, Any]:
+    """Raise naming the option and the value when a value has the wrong type; ints become floats for
+    float fields, so a config means the same (and hashes the same) whether it says 2 or 2.0."""
+    types, out = field_types(SECTIONS[section]), {}
+    for key, value in values.items():
+        if not conforms(value, types[key]):
+            raise ValueError(f"{section}.{key} ({value!r}) must be {describe(types[key])}")
+        out[key] = float(value) if types[key] is float else value
+    return out
+
+
+# -- cross-section checks -------------------------------------------------------------------------
+
+def check_world(config: RunConfig, world_size: Optional[int]) -> None:
+    """ep_size and the batch against the world (when the launcher told us its size), ep_size against the
+    expert count. The trainer checks the same against the live group; this fails before it starts."""
+    ep_size, num_experts, train = config.parallel.ep_size, config.moe.num_experts, config.train
+    if world_size is not None:
+        _require(ep_size == 0 or world_size % ep_size == 0,
+                 f"parallel.ep_size ({ep_size}) does not divide the world size ({world_size})")
+        ep_size = ep_size or world_size
+        micro = train.global_batch_size // train.grad_accum
+        _require(micro >= world_size, f"micro-batch size ({micro} = train.global_batch_size "
+                 f"{train.global_batch_size} / train.grad_accum {train.grad_accum}) < world size ({world_size}): "
+                 "some ranks would get no samples")
+    _require(num_experts >= ep_size,
+             f"moe.num_experts ({num_experts}) < ep_size ({ep_size}): every rank of an expert-parallel group "
+             "(parallel.ep_size) needs at least one expert")
+
+
+def check_resume(output: OutputConfig) -> None:
+    """A resume path names a checkpoint directory (train/checkpoint.py checks its content when it loads)."""
+    if output.resume in ("", "auto"):
+        return
+    _require((Path(output.resume) / "meta.pt").is_file(),
+             f"output.resume ({output.resume!r}) is not a checkpoint directory: it has no meta.pt "
+             "(use 'auto' for the newest checkpoint in output.out_dir)")
+
+
+def world_size_from_env() -> Optional[int]:
+    """WORLD_SIZE as torchrun (and run_simulated) set it; None when this process was not launched as
+    part of a group (then the size is only known when the group starts)."""
+    raw = os.environ.get("WORLD_SIZE")
+    if raw is None:
+        return None
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ValueError(f"environment variable WORLD_SIZE ({raw!r}) must be a positive integer")
+    return int(raw)
+
+
+# -- loading --------------------------------------------------------------------------------------
 
 def parse_override(text: str) -> Tuple[str, str, Any]:
     """'section.key=value' -> (section, key, value); the value is read as TOML, else as a string."""
@@ -317,20 +430,36 @@ def parse_override(text: str) -> Tuple[str, str, Any]:
     return section, key, value
 
 
+def read_toml(path: str) -> Dict[str, Any]:
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"config file ({path}) does not exist")
+    try:
+        return tomllib.loads(file.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"config file ({path}) is not valid TOML: {err}") from None
+
+
 def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = None) -> RunConfig:
-    data: Dict[str, Dict[str, Any]] = {}
-    if path:
-        file = Path(path)
-        if not file.is_file():
-            raise ValueError(f"config file ({path}) does not exist")
-        data = tomllib.loads(file.read_text())
+    """File + overrides -> a RunConfig in which every mistake the loader can see has been an error:
+    types, ranges, cross-section sizes, the task's name and the model shapes it can build."""
+    data: Dict[str, Dict[str, Any]] = read_toml(path) if path else {}
     for text in overrides or []:
         section, key, value = parse_override(text)
         if section not in SECTIONS:
             raise ValueError(f"unknown section [{section}] in --set {text}; valid sections: {', '.join(SECTIONS)}")
         _check_keys(section, {key: value})
-        data.setdefault(section, {})[key] = value
-    return from_dict(data)
+        section_values = data.setdefault(section, {})
+        if not isinstance(section_values, dict):
+            raise ValueError(f"section [{section}] must be a table, got {section_values!r}")
+        section_values[key] = value
+    config = from_dict(data)
+    check_world(config, world_size_from_env())
+    check_resume(config.output)
+    # Imported here: the tasks import torch and the models, which config.py must not need to load.
+    from .tasks import validate_run_config
+    validate_run_config(config)
+    return config
 
 
 def options_help() -> str:

@@ -1,9 +1,13 @@
 """Coordinators: ranks submit window statistics and receive the same versioned Plan.
 
 Both implementations call the one pure planner (``planning.planner.plan``):
-  - ``CollectiveCoordinator`` (torchrun, simulated clusters): statistics are summed over every rank
-    with one all-reduce, rank 0 plans, the plan is broadcast, and every rank checks its digest;
-  - ``RayCoordinator`` (``dynmoe_dist.cluster``): a named Ray actor merges what the workers push.
+  - ``CollectiveCoordinator`` (torchrun, simulated clusters): every rank's request digest is compared,
+    statistics are summed over every rank with one all-reduce, rank 0 plans, the plan is broadcast, and
+    every rank checks its digest;
+  - ``RayCoordinator`` (``dynmoe_dist.cluster``): a named Ray actor merges what the workers push, and
+    refuses a request that differs from one another rank sent for the same version.
+Either way, ranks whose requests disagree (diverged placements, configs or versions) fail on every rank
+before anything is planned, instead of applying a plan made for someone else's state.
 """
 
 from __future__ import annotations
@@ -11,10 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Protocol, Sequence, Tuple
 
-import torch
-import torch.distributed as dist
+import hashlib
 
-from .parallel.groups import ParallelGroups, named, sum_over_ranks
+import torch
+
+from .parallel.groups import ParallelGroups, all_gather_object, broadcast_object, sum_over_ranks
 from .planning.placement import Placement
 from .planning.planner import Plan, PlannerConfig, plan
 from .planning.stats import WindowStats
@@ -31,6 +36,10 @@ class PlanRequest:
     has_discarded: Tuple[bool, ...]
     dims: Tuple[int, ...]
     load_history: Optional[Tuple[Tuple[float, ...], ...]] = None
+
+    def digest(self) -> str:
+        """Hash of everything in the request (the same inputs give the same repr on every rank)."""
+        return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
 
     def make_plan(self, stats: Sequence[WindowStats], planned_by: str) -> Plan:
         return plan(stats, self.placements, self.configs, version=self.version, step=self.step,
@@ -76,10 +85,19 @@ class CollectiveCoordinator:
         self.groups = groups
 
     def submit(self, request: PlanRequest, local_stats: List[WindowStats]) -> Plan:
+        self.check_request(request)
         flat = self.reduce_stats(local_stats)
         return self.share(self.plan_on_rank0(request, flat, local_stats), request)
 
     # The phases of submit, in order (a benchmark times them one by one).
+    def check_request(self, request: PlanRequest) -> None:
+        """Raises on every rank, naming the ranks, unless all ranks asked for the same plan."""
+        digests = all_gather_object(request.digest(), self.groups, "plan request digests")
+        if len(set(digests)) > 1:
+            by_rank = ", ".join(f"rank {r}: {d}" for r, d in enumerate(digests))
+            raise PlanMismatch(f"rank {self.groups.rank}: the ranks asked for different plans for version "
+                               f"{request.version} (request digests {by_rank}): their expert state diverged")
+
     def reduce_stats(self, local_stats: List[WindowStats]) -> torch.Tensor:
         return sum_over_ranks(flatten_stats(local_stats), self.groups, "window statistics all_reduce")
 
@@ -90,7 +108,5 @@ class CollectiveCoordinator:
         return [plan_, plan_.digest()]
 
     def share(self, payload: List, request: PlanRequest) -> Plan:
-        if self.groups.distributed:
-            with named("plan broadcast", self.groups):
-                dist.broadcast_object_list(payload, src=0)
-        return verify_plan(payload[0], payload[1], request, self.groups.rank)
+        plan_, digest = broadcast_object(payload, self.groups, "plan broadcast")
+        return verify_plan(plan_, digest, request, self.groups.rank)

@@ -49,6 +49,8 @@ class TimedCoordinator(CollectiveCoordinator):
 
     def submit(self, request: PlanRequest, local_stats) -> Plan:
         clock = time.perf_counter()
+        self.check_request(request)
+        self.phases["request_check_s"], clock = time.perf_counter() - clock, time.perf_counter()
         flat = self.reduce_stats(local_stats)
         self.phases["stats_all_reduce_s"], clock = time.perf_counter() - clock, time.perf_counter()
         payload = self.plan_on_rank0(request, flat, local_stats)
@@ -107,7 +109,6 @@ def rank_worker(config_path: str, overrides: List[str], skewed: bool) -> Dict:
 
     trainer = Trainer(load_config(config_path, overrides))
     adaptive = AdaptiveController(trainer, TimedCoordinator(trainer.groups))
-    trainer.adaptive = adaptive
     if skewed:
         skew_routing(trainer)
     result = train_and_time(trainer, adaptive, trainer.groups)
@@ -116,7 +117,7 @@ def rank_worker(config_path: str, overrides: List[str], skewed: bool) -> Dict:
 
 
 # -- the parent -----------------------------------------------------------------------------------------
-PHASES = ("event_s", "stats_all_reduce_s", "plan_s", "plan_broadcast_s")
+PHASES = ("event_s", "request_check_s", "stats_all_reduce_s", "plan_s", "plan_broadcast_s")
 
 
 def slowest(per_rank: List[Dict], pick) -> List[float]:

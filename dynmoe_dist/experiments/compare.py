@@ -5,7 +5,7 @@
 Every model gets the same budget: the same task split, model, epochs, batch size, lr schedule and seed
 set; only the router (and, for DynMoE, the expert-init strategy) differs. Every epoch end is evaluated.
 Writes, under --out: runs/<model>/seed<s>/ (each run's metrics.jsonl), results.md (the table in the
-shape of DYNMOE.md section 6), results.json and comparison.png.
+shape of docs/algorithm.md section 6), results.json and comparison.png.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Turning comparison runs into numbers: one run's metrics -> RunSummary, seeds -> ModelRow, rows -> markdown.
 
 Pure (numpy only): the table builders are tested on hand-made records. Accuracies are in percent, as
-in the paper's table (DYNMOE.md, section 6).
+in the paper's table (docs/algorithm.md, section 6).
 """
 
 from __future__ import annotations

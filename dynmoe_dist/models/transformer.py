@@ -5,12 +5,15 @@ Shape legend: B batch, L sequence length, D model dim, H heads, V vocabulary, C 
 Every model returns a ``ModelOutput``: the logits and the summed (already weighted) auxiliary loss
 of its MoE layers. Blocks are pre-LayerNorm; ``moe_layers`` lists the block indices whose FFN is an
 MoE layer (fresh, independently initialised experts: these models train from scratch).
+
+The models take the run configuration's own ``ModelConfig`` (its [model] section, validated when it is
+made, moe_layers included) and the ``MoEConfig`` of their MoE layers, whose dim and ffn_dim they set.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from typing import List, Optional, Protocol
 
 import torch
 import torch.nn as nn
@@ -18,6 +21,19 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..moe import FeedForward, MoEConfig, MoELayer, MoEOutput
+
+
+class ModelShape(Protocol):
+    """The fields these models read of ``dynmoe_dist.config.ModelConfig``. A type only: models sit below
+    the run configuration in the layer order, so they name what they read instead of importing it."""
+
+    dim: int
+    num_heads: int
+    num_layers: int
+    ffn_dim: int
+    dropout: float
+    moe_layers: List[int]
+    patch_size: int
 
 
 @dataclass
@@ -68,32 +84,18 @@ class Block(nn.Module):
         return x_BLD + self.drop(ffn_out), aux
 
 
-@dataclass
-class TransformerConfig:
-    dim: int = 64
-    num_heads: int = 4
-    num_layers: int = 2
-    ffn_dim: int = 128
-    dropout: float = 0.0
-    moe_layers: Sequence[int] = (1,)
-    moe: Optional[MoEConfig] = None
-
-
 class TransformerStack(nn.Module):
     """Blocks + final norm; sums the aux losses of the MoE blocks."""
 
-    def __init__(self, cfg: TransformerConfig):
+    def __init__(self, model: ModelShape, moe: MoEConfig):
         super().__init__()
-        for index in cfg.moe_layers:
-            if not 0 <= index < cfg.num_layers:
-                raise ValueError(f"moe_layers entry ({index}) outside [0, num_layers ({cfg.num_layers}))")
-        moe_cfg = replace(cfg.moe or MoEConfig(), dim=cfg.dim, ffn_dim=cfg.ffn_dim)
+        moe_cfg = replace(moe, dim=model.dim, ffn_dim=model.ffn_dim)
         self.blocks = nn.ModuleList(
-            Block(cfg.dim, cfg.num_heads,
-                  MoELayer(moe_cfg) if i in cfg.moe_layers else FeedForward(cfg.dim, cfg.ffn_dim),
-                  cfg.dropout)
-            for i in range(cfg.num_layers))
-        self.norm = nn.LayerNorm(cfg.dim)
+            Block(model.dim, model.num_heads,
+                  MoELayer(moe_cfg) if i in model.moe_layers else FeedForward(model.dim, model.ffn_dim),
+                  model.dropout)
+            for i in range(model.num_layers))
+        self.norm = nn.LayerNorm(model.dim)
 
     def forward(self, x_BLD: Tensor, attn_mask=None, causal: bool = False):
         aux = x_BLD.new_zeros((), dtype=torch.float32)
@@ -119,12 +121,12 @@ def masked_mean(h_BLD: Tensor, valid_BL: Optional[Tensor]) -> Tensor:
 class EncoderClassifier(nn.Module):
     """Token embedding + learned positions -> encoder -> masked mean pool -> linear classifier."""
 
-    def __init__(self, cfg: TransformerConfig, vocab_size: int, max_len: int, num_classes: int):
+    def __init__(self, model: ModelShape, moe: MoEConfig, vocab_size: int, max_len: int, num_classes: int):
         super().__init__()
-        self.embed = nn.Embedding(vocab_size, cfg.dim)
-        self.pos = nn.Parameter(torch.zeros(max_len, cfg.dim).normal_(0, 0.02))
-        self.stack = TransformerStack(cfg)
-        self.head = nn.Linear(cfg.dim, num_classes)
+        self.embed = nn.Embedding(vocab_size, model.dim)
+        self.pos = nn.Parameter(torch.zeros(max_len, model.dim).normal_(0, 0.02))
+        self.stack = TransformerStack(model, moe)
+        self.head = nn.Linear(model.dim, num_classes)
 
     def forward(self, tokens_BL: Tensor, valid_BL: Optional[Tensor] = None) -> ModelOutput:
         x_BLD = self.embed(tokens_BL) + self.pos[: tokens_BL.shape[1]]
@@ -135,17 +137,16 @@ class EncoderClassifier(nn.Module):
 class ViTClassifier(nn.Module):
     """Patch front end (non-overlapping patches, linear projection) + encoder + mean pool + head."""
 
-    def __init__(self, cfg: TransformerConfig, image_size: int, patch_size: int, channels: int,
-                 num_classes: int):
+    def __init__(self, model: ModelShape, moe: MoEConfig, image_size: int, channels: int, num_classes: int):
         super().__init__()
+        patch_size = self.patch_size = model.patch_size
         if image_size % patch_size:
             raise ValueError(f"image_size ({image_size}) is not divisible by patch_size ({patch_size})")
-        self.patch_size = patch_size
         num_patches = (image_size // patch_size) ** 2
-        self.patch_embed = nn.Linear(channels * patch_size * patch_size, cfg.dim)
-        self.pos = nn.Parameter(torch.zeros(num_patches, cfg.dim).normal_(0, 0.02))
-        self.stack = TransformerStack(cfg)
-        self.head = nn.Linear(cfg.dim, num_classes)
+        self.patch_embed = nn.Linear(channels * patch_size * patch_size, model.dim)
+        self.pos = nn.Parameter(torch.zeros(num_patches, model.dim).normal_(0, 0.02))
+        self.stack = TransformerStack(model, moe)
+        self.head = nn.Linear(model.dim, num_classes)
 
     def patches(self, images_BCHW: Tensor) -> Tensor:
         p = self.patch_size
@@ -162,11 +163,11 @@ class ViTClassifier(nn.Module):
 class CausalLM(nn.Module):
     """Decoder-only language model: causal self-attention, LM head tied to the embedding."""
 
-    def __init__(self, cfg: TransformerConfig, vocab_size: int, max_len: int):
+    def __init__(self, model: ModelShape, moe: MoEConfig, vocab_size: int, max_len: int):
         super().__init__()
-        self.embed = nn.Embedding(vocab_size, cfg.dim)
-        self.pos = nn.Parameter(torch.zeros(max_len, cfg.dim).normal_(0, 0.02))
-        self.stack = TransformerStack(cfg)
+        self.embed = nn.Embedding(vocab_size, model.dim)
+        self.pos = nn.Parameter(torch.zeros(max_len, model.dim).normal_(0, 0.02))
+        self.stack = TransformerStack(model, moe)
 
     def forward(self, tokens_BL: Tensor) -> ModelOutput:
         x_BLD = self.embed(tokens_BL) + self.pos[: tokens_BL.shape[1]]

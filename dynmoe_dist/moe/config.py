@@ -6,8 +6,9 @@ field name and the value in the message, before any tensor or collective exists.
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple, Union, get_args, get_origin
 
 ROUTERS = ("top_any", "top_k", "top_p")
 AUX_LOSSES = ("diverse", "simple", "load_balance", "efficiency", "switch")
@@ -23,10 +24,68 @@ DEFAULT_AUX = {
     "top_p": ("switch",),
 }
 
+# Fields only some routers read (the rest of the layer reads all the others): field -> those routers.
+# Setting one under another router does nothing; the trainer warns about it at start-up.
+ROUTER_FIELDS = {
+    "top_k": ("top_k",),
+    "top_p": ("top_p",),
+    "threshold_init": ("top_any",),
+    "train_k0": ("top_any",),  # only top-any lets a token select no expert
+    "eval_k0": ("top_any",),
+}
+
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+# -- value types of config fields ------------------------------------------------------------------
+# Generic, for every config dataclass of the project (dynmoe_dist.config checks each TOML value with
+# them); here because moe is the lowest layer, so every config module may import them.
+# Handles int, float (ints too), str, bool, Optional[X], List[X], Tuple[X, ...] and Tuple[X, Y].
+
+# Optional[X] and X | None have different origins
+_UNIONS = (Union, types.UnionType)
+
+# scalar type -> (one value, several values), for messages like "must be a list of integers"
+_KINDS = {int: ("an integer", "integers"), float: ("a number", "numbers"), str: ("a string", "strings"),
+          bool: ("true or false", "booleans")}
+
+
+def _scalar_ok(value: Any, kind: type) -> bool:
+    # bool is an int subclass: `true` is no integer, and 1 is no boolean.
+    if kind is bool or isinstance(value, bool):
+        return kind is bool and isinstance(value, bool)
+    return isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
+
+
+def conforms(value: Any, annotation: Any) -> bool:
+    """Whether a TOML value fits a field annotation (of the kinds listed above)."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin in _UNIONS:
+        return value is None or any(conforms(value, a) for a in args if a is not type(None))
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return False
+        if origin is tuple and Ellipsis not in args:
+            return len(value) == len(args) and all(conforms(v, a) for v, a in zip(value, args, strict=True))
+        return all(conforms(v, args[0]) for v in value)
+    if annotation not in _KINDS:  # a new field type: teach conforms() and describe() about it
+        raise TypeError(f"config fields of type {annotation!r} are not supported by conforms()")
+    return _scalar_ok(value, annotation)
+
+
+def describe(annotation: Any) -> str:
+    """'an integer', 'a list of strings', 'a list of 2 numbers', ... for the error message."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin in _UNIONS:
+        return describe(next(a for a in args if a is not type(None)))
+    if origin is tuple and Ellipsis not in args:
+        return f"a list of {len(args)} {_KINDS[args[0]][1]}"
+    if origin in (list, tuple):
+        return f"a list of {_KINDS[args[0]][1]}"
+    return _KINDS[annotation][0]
 
 
 @dataclass

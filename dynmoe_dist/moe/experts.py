@@ -132,6 +132,10 @@ class ExpertBank(nn.Module):
             if not isinstance(expert, want):
                 raise ValueError(f"expert_kind ({config.expert_kind!r}) needs {want.__name__} experts, "
                                  f"got {type(expert).__name__}")
+        # Sharded experts (FSDP over the expert-dp group) gather their weights inside their own forward:
+        # every rank must then call every local expert every step, also on zero rows, or the ranks'
+        # collectives stop lining up and hang. Set by dynmoe_dist.parallel.fsdp.
+        self.run_every_expert = False
 
     @classmethod
     def fresh(cls, config: MoEConfig, num_experts: int) -> "ExpertBank":
@@ -142,6 +146,8 @@ class ExpertBank(nn.Module):
 
     def forward(self, rows_RD: Tensor, counts_e: Tensor) -> Tensor:
         rows_RD = autocast_rows(rows_RD)
+        if self.run_every_expert:
+            return self._loop(rows_RD, counts_e)
         if len(self.experts) == 0 or rows_RD.shape[0] == 0:
             return 0.0 * rows_RD  # zeros that stay in the graph: the backward exchange must still run
         if use_grouped_mm(self.config.expert_compute, rows_RD):
@@ -151,8 +157,11 @@ class ExpertBank(nn.Module):
     def _loop(self, rows_RD: Tensor, counts_e: Tensor) -> Tensor:
         # NOTE: device-to-host sync (segment sizes)
         segments = torch.split(rows_RD, counts_e.tolist())
-        outs = [expert(seg) for expert, seg in zip(self.experts, segments) if seg.shape[0] > 0]
-        return torch.cat(outs) if outs else rows_RD.new_zeros(rows_RD.shape)
+        outs = [expert(seg) for expert, seg in zip(self.experts, segments)
+                if seg.shape[0] > 0 or self.run_every_expert]
+        if not outs:
+            return 0.0 * rows_RD  # zeros that stay in the graph: the backward exchange must still run
+        return torch.cat(outs)
 
     def _grouped(self, rows_RD: Tensor, counts_e: Tensor) -> Tensor:
         dtype = rows_RD.dtype
@@ -180,7 +189,7 @@ class ExpertBank(nn.Module):
         """Keep only the given slots, in that order (the others are freed)."""
         self.experts = nn.ModuleList(self.experts[i] for i in local_slots)
 
-    def set_experts(self, experts: Sequence[Expert]) -> None:
+    def set_experts(self, experts: Sequence[nn.Module]) -> None:
         self.experts = nn.ModuleList(experts)
 
 

@@ -3,13 +3,15 @@
 Shape legend: T tokens, D model dim, E experts (logical), e local experts, R routed rows.
 
 The layer is single-process math. Expert parallelism swaps in another dispatcher (and a statistics
-reducer for the auxiliary losses) from ``dynmoe_dist.parallel``; the layer's code does not change.
+reducer for the auxiliary losses) from ``dynmoe_dist.parallel``; the layer's code does not change, and
+where its experts live is recorded there (``parallel.shard.LayerShard``), not on the layer.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, List, Protocol, Tuple
+from typing import Callable, Iterator, List, Protocol, Tuple
 
 import torch
 import torch.nn as nn
@@ -111,6 +113,24 @@ class SoftmaxRouter(nn.Module):
 
 RoutingObserver = Callable[["MoELayer", Tensor, Routing], None]
 
+_recompute_depth = 0
+
+
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    """Marks a forward that activation checkpointing replays in the backward pass: the routing it
+    recomputes was already observed once, so observers (statistics, telemetry) must not see it again."""
+    global _recompute_depth
+    _recompute_depth += 1
+    try:
+        yield
+    finally:
+        _recompute_depth -= 1
+
+
+def is_recomputing() -> bool:
+    return _recompute_depth > 0
+
 
 def find_moe_layers(model: nn.Module) -> List[Tuple[str, "MoELayer"]]:
     """(qualified name, layer) of every MoE layer, in module order: the layer index used everywhere."""
@@ -125,9 +145,6 @@ class MoELayer(nn.Module):
         self.experts = experts if experts is not None else ExpertBank.fresh(config, config.num_experts)
         self.dispatcher: Dispatcher = LocalDispatcher()
         self.reducer = LocalReducer()
-        # Where the logical experts live (a planning.Placement); set by dynmoe_dist.parallel.
-        # None means every expert is local, in logical-id order.
-        self.placement = None
         # Observers see every routing decision (the adaptive-expert recorder hooks in here).
         self.routing_observers: List[RoutingObserver] = []
 
@@ -143,8 +160,9 @@ class MoELayer(nn.Module):
         rows_RD, counts_e, meta = self.dispatcher.dispatch(x_TD, routing)
         rows_RD = self.experts(rows_RD, counts_e)
         out_TD = self.dispatcher.combine(rows_RD, meta)
-        for observe in self.routing_observers:
-            observe(self, x_TD, routing)
+        if not is_recomputing():
+            for observe in self.routing_observers:
+                observe(self, x_TD, routing)
         return MoEOutput(out_TD.reshape(x.shape).to(x.dtype), self.aux_loss(routing), routing)
 
     def aux_loss(self, routing: Routing) -> Tensor:

@@ -1,4 +1,4 @@
-"""Auxiliary losses of DynMoE (DYNMOE.md section 2) and the Switch load-balance baseline.
+"""Auxiliary losses of DynMoE (docs/algorithm.md section 2) and the Switch load-balance baseline.
 
 Token statistics are formed as sums and divided by counts only after ``reduce_sum``: with the
 identity (one process) this is the plain mean; under data parallelism ``reduce_sum`` adds the sums of

@@ -5,7 +5,7 @@ Shape legend: T tokens, D model dim, E experts.
   mask_TE   bool selections   weights_TE combine weights         num_selected_T  k per token
 
 Every router returns a ``Routing``. ``weights_TE`` is zero wherever ``mask_TE`` is False and carries
-exactly the gradient DYNMOE.md section 1 prescribes; ``gates_TE`` is the differentiable 0/1 selection
+exactly the gradient docs/algorithm.md section 1 prescribes; ``gates_TE`` is the differentiable 0/1 selection
 that the efficiency and load-balance losses need (for top-k/top-p it is the mask as float).
 """
 

@@ -27,8 +27,8 @@ from torch import Tensor
 from ..moe.experts import autocast_rows
 from ..moe.permute import combine_rows, inverse_permutation, replica_index, routed_pairs, sort_by_slot
 from ..moe.routing import Routing
-from ..planning.placement import Placement
 from .groups import ParallelGroups, named
+from .shard import SlotTables
 
 
 def exchange_rows(out_QD: Tensor, x_RD: Tensor, out_splits: List[int], in_splits: List[int], group) -> Tensor:
@@ -122,45 +122,20 @@ class A2AMeta:
     num_tokens: int
 
 
-@dataclass(frozen=True)
-class SlotTables:
-    """Per-placement lookup tensors, built once per placement."""
-
-    num_replicas_E: Tensor
-    slot_ER: Tensor
-    """Global slot of replica r of expert e (padded with -1)."""
-    rank_of_slot_S: Tensor
-    slots_per_rank: List[int]
-    num_slots: int
-
-    @classmethod
-    def build(cls, placement: Placement, device) -> "SlotTables":
-        offsets = placement.slot_offsets()
-        max_rep = max(len(r) for r in placement.replicas)
-        table = torch.full((placement.num_experts, max_rep), -1, dtype=torch.long)
-        for expert, slots in enumerate(placement.replicas):
-            for i, (rank, slot) in enumerate(slots):
-                table[expert, i] = offsets[rank] + slot
-        num_rep = torch.tensor([len(r) for r in placement.replicas], dtype=torch.long)
-        per_rank = list(placement.slots_per_rank())
-        rank_of_slot = torch.repeat_interleave(torch.arange(placement.ep_size), torch.tensor(per_rank))
-        return cls(num_rep.to(device), table.to(device), rank_of_slot.to(device), per_rank, placement.num_slots)
-
-
 class AllToAllDispatcher:
-    """Expert-parallel dispatcher over the ep group of ``groups``."""
+    """Expert-parallel dispatcher over the ep group of ``groups``. It holds the slot tables of its
+    layer's current placement (built by the layer's ``LayerShard``), never the placement itself."""
 
-    def __init__(self, groups: ParallelGroups, placement: Placement, name: str = "moe"):
-        if placement.ep_size != groups.ep_size:
-            raise ValueError(f"placement ep_size ({placement.ep_size}) != group ep_size ({groups.ep_size})")
+    def __init__(self, groups: ParallelGroups, tables: SlotTables, name: str = "moe"):
         self.groups = groups
         self.name = name
         self.comm = CommCounter()
-        self.set_placement(placement)
+        self.set_tables(tables)
 
-    def set_placement(self, placement: Placement) -> None:
-        self.placement = placement
-        self.tables = SlotTables.build(placement, self.groups.device)
+    def set_tables(self, tables: SlotTables) -> None:
+        if tables.ep_size != self.groups.ep_size:
+            raise ValueError(f"placement ep_size ({tables.ep_size}) != group ep_size ({self.groups.ep_size})")
+        self.tables = tables
 
     def dispatch(self, x_TD: Tensor, routing: Routing):
         t = self.tables

@@ -11,48 +11,40 @@ from typing import List, Optional, Sequence
 
 import torch.nn as nn
 
-from ..moe.layer import LocalDispatcher, MoELayer, find_moe_layers
+from ..moe.layer import LocalDispatcher, find_moe_layers
 from ..planning.placement import Placement
 from .dispatch import AllReduceReducer, AllToAllDispatcher
 from .groups import ParallelGroups
+from .shard import LayerShard
 
 
 def parallelize(model: nn.Module, groups: ParallelGroups,
-                placements: Optional[Sequence[Placement]] = None) -> List[Placement]:
-    """Shard the experts of every MoE layer (in place); returns the placement of each layer."""
+                placements: Optional[Sequence[Placement]] = None) -> List[LayerShard]:
+    """Shard the experts of every MoE layer (in place); returns each layer's shard record."""
     layers = find_moe_layers(model)
     if placements is not None and len(placements) != len(layers):
         raise ValueError(f"placements ({len(placements)}) != MoE layers ({len(layers)})")
-    result = []
+    shards = []
     for index, (name, layer) in enumerate(layers):
         placement = placements[index] if placements else Placement.balanced(layer.num_experts, groups.ep_size)
-        shard_layer(layer, placement, groups, name or f"moe{index}")
-        result.append(placement)
-    return result
+        if placement.num_experts != layer.num_experts:
+            raise ValueError(f"placement for {name or index} has {placement.num_experts} experts, "
+                             f"the layer {layer.num_experts}")
+        shard = LayerShard.build(index, name, layer, placement, groups.ep_rank, groups.device)
+        layer.experts.keep(shard.local_experts)
+        install_shard(shard, groups)
+        if groups.distributed:
+            layer.reducer = AllReduceReducer(groups)
+        shards.append(shard)
+    return shards
 
 
-def shard_layer(layer: MoELayer, placement: Placement, groups: ParallelGroups, name: str) -> None:
-    if placement.num_experts != layer.num_experts:
-        raise ValueError(f"placement for {name} has {placement.num_experts} experts, the layer {layer.num_experts}")
-    layer.experts.keep(placement.experts_on(groups.ep_rank))
-    install_placement(layer, placement, groups, name)
-    if groups.distributed:
-        layer.reducer = AllReduceReducer(groups)
-
-
-def install_placement(layer: MoELayer, placement: Placement, groups: ParallelGroups, name: str = "moe") -> None:
-    """Point the layer's dispatcher at a placement (the experts must already match it)."""
-    layer.placement = placement
+def install_shard(shard: LayerShard, groups: ParallelGroups) -> None:
+    """Point the layer's dispatcher at the shard's slot tables (the experts must already match it)."""
+    layer = shard.layer
     if groups.ep_size == 1:
         layer.dispatcher = LocalDispatcher()
     elif isinstance(layer.dispatcher, AllToAllDispatcher):
-        layer.dispatcher.set_placement(placement)
+        layer.dispatcher.set_tables(shard.tables)
     else:
-        layer.dispatcher = AllToAllDispatcher(groups, placement, name)
-
-
-def local_expert_ids(layer: MoELayer, groups: ParallelGroups) -> List[int]:
-    """Logical ids of the experts this rank holds for `layer`, in slot order."""
-    if layer.placement is None:
-        return list(range(layer.num_experts))
-    return layer.placement.experts_on(groups.ep_rank)
+        layer.dispatcher = AllToAllDispatcher(groups, shard.tables, shard.label)

@@ -8,12 +8,13 @@ is a plain SUM:
     world all-reduce of a buffer laid out identically on every rank (zeros where a rank holds none).
 Parameters without a gradient get zeros first, also in a single process: an expert that received no
 rows must see the same optimizer update (weight decay, moment decay) whatever the world size.
+Which expert is where comes from the layers' ``LayerShard`` records, passed in on every call.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Dict, List, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,13 +23,13 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..moe.experts import expert_param_shapes
-from ..moe.layer import MoELayer, find_moe_layers
-from .expert_parallel import local_expert_ids
+from .fsdp import is_sharded, local
 from .groups import ParallelGroups, named, sum_over_ranks
+from .shard import LayerShard
 
 
-def expert_param_ids(model: nn.Module) -> set:
-    return {id(p) for _, layer in find_moe_layers(model) for p in layer.experts.parameters()}
+def expert_param_ids(shards: Sequence[LayerShard]) -> set:
+    return {id(p) for shard in shards for p in shard.layer.experts.parameters()}
 
 
 def trainable(params) -> List[Tensor]:
@@ -51,82 +52,138 @@ def all_reduce_flat(tensors: List[Tensor], group, groups: ParallelGroups, what: 
         t.copy_(synced)
 
 
+@dataclass
+class ParamSplit:
+    dense: List[Tensor]
+    """Replicated dense parameters (routers always; everything dense without FSDP)."""
+    dense_fsdp: List[Tensor]
+    """Dense parameters sharded by FSDP over the world (their gradients arrive reduce-scattered)."""
+    experts: List[Tensor]
+    """Parameters of experts with a single holder per ep group."""
+    replicated: List[Tuple[LayerShard, int, List[Tensor]]]
+    """(shard, logical expert, params) of the replicated experts this rank holds."""
+
+    def all_params(self) -> List[Tensor]:
+        return self.dense + self.dense_fsdp + self.experts + [p for _, _, ps in self.replicated for p in ps]
+
+
+def split_params(model: nn.Module, shards: Sequence[LayerShard]) -> ParamSplit:
+    expert_ids = expert_param_ids(shards)
+    dense = trainable(p for p in model.parameters() if id(p) not in expert_ids)
+    experts: List[Tensor] = []
+    replicated = []
+    for shard in shards:
+        for expert, module in shard.local_modules():
+            params = trainable(module.parameters())
+            if shard.is_replicated(expert):
+                replicated.append((shard, expert, params))
+            else:
+                experts += params
+    return ParamSplit([p for p in dense if not is_sharded(p)], [p for p in dense if is_sharded(p)], experts,
+                      replicated)
+
+
+def _grads(params: Sequence[Tensor]) -> List[Tensor]:
+    """This rank's part of each gradient (the local shard of a sharded one)."""
+    return [local(p.grad) for p in params if p.grad is not None]
+
+
 class GradSync:
-    def __init__(self, model: nn.Module, groups: ParallelGroups):
+    """Sums gradients where FSDP does not. With ``experts_sharded`` (expert_sharding = fsdp) FSDP has
+    already summed each expert's gradient over its expert-dp group, and this rank holds one shard of it."""
+
+    def __init__(self, model: nn.Module, groups: ParallelGroups, experts_sharded: bool = False):
         self.model = model
         self.groups = groups
+        self.experts_sharded = experts_sharded
 
-    def _split(self) -> Tuple[List[Tensor], List[Tensor], List[Tuple[MoELayer, int, List[Tensor]]]]:
-        """(dense params, non-replicated expert params, [(layer, expert id, params)] of replicas)."""
-        expert_ids = expert_param_ids(self.model)
-        dense = trainable(p for p in self.model.parameters() if id(p) not in expert_ids)
-        sharded, replicated = [], []
-        for _, layer in find_moe_layers(self.model):
-            for expert, module in zip(local_expert_ids(layer, self.groups), layer.experts.experts):
-                params = trainable(module.parameters())
-                if layer.placement is not None and layer.placement.num_replicas(expert) > 1:
-                    replicated.append((layer, expert, params))
-                else:
-                    sharded += params
-        return dense, sharded, replicated
-
-    def sync(self) -> None:
-        dense, sharded, replicated = self._split()
-        fill_missing_grads(dense + sharded + [p for _, _, ps in replicated for p in ps])
+    def sync(self, shards: Sequence[LayerShard]) -> None:
+        split = split_params(self.model, shards)
+        fill_missing_grads(split.all_params())
         if not self.groups.distributed:
             return
-        all_reduce_flat([p.grad for p in dense], None, self.groups, "dense gradient all_reduce")
-        if self.groups.dp_size > 1:
-            all_reduce_flat([p.grad for p in sharded], self.groups.dp_group, self.groups,
+        all_reduce_flat(_grads(split.dense), None, self.groups, "dense gradient all_reduce")
+        if self.groups.dp_size > 1 and not self.experts_sharded:
+            all_reduce_flat(_grads(split.experts), self.groups.expert_dp_group, self.groups,
                             "expert gradient all_reduce (expert-dp group)")
-        self._sync_replicas(replicated)
+        self._sync_replicas(shards, split.replicated)
 
-    def _sync_replicas(self, held: List[Tuple[MoELayer, int, List[Tensor]]]) -> None:
-        """One world all-reduce over a buffer with a slot for every replicated expert of every layer."""
-        held_grads = {(id(layer), expert): [p.grad for p in params] for layer, expert, params in held}
+    def _sync_replicas(self, shards: Sequence[LayerShard], held: List[Tuple[LayerShard, int, List[Tensor]]]) -> None:
+        """One all-reduce over a buffer with a slot for every replicated expert of every layer (zeros
+        where this rank holds none): over the world for plain experts (replicas and expert-dp copies at
+        once); over the ep group for sharded ones, whose expert-dp sum FSDP has done."""
+        held_grads = {(shard.index, expert): _grads(params) for shard, expert, params in held}
         buffers: List[Tensor] = []
         mine: Dict[int, List[Tensor]] = {}
-        for _, layer in find_moe_layers(self.model):
-            if layer.placement is None:
-                continue
-            for expert in layer.placement.replicated_experts():
-                grads = held_grads.get((id(layer), expert))
+        for shard in shards:
+            for expert in shard.placement.replicated_experts():
+                grads = held_grads.get((shard.index, expert))
                 if grads is None:
-                    grads = [layer.router.weight.new_zeros(s) for s in expert_param_shapes(layer.config)]
+                    like = shard.layer.router.weight
+                    grads = [like.new_zeros(s) for s in self._local_shapes(shard)]
                 else:
                     mine[len(buffers)] = grads
                 buffers.append(_flatten_dense_tensors(grads))
         if not buffers:
             return
         flat = torch.cat(buffers)
+        group = self.groups.ep_group if self.experts_sharded else None
         with named("replicated-expert gradient all_reduce", self.groups):
-            dist.all_reduce(flat)
+            dist.all_reduce(flat, group=group)
         for index, grads in mine.items():
             offset = sum(b.numel() for b in buffers[:index])
             synced = flat[offset: offset + buffers[index].numel()]
             for g, s in zip(grads, _unflatten_dense_tensors(synced, grads)):
                 g.copy_(s)
 
-    def grad_norm(self) -> float:
-        """Global L2 norm with every logical parameter counted once (dense once, each expert once)."""
-        dense, sharded, replicated = self._split()
-        dense_sq = sum(float(p.grad.double().pow(2).sum()) for p in dense if p.grad is not None)
-        expert_sq = sum(float(p.grad.double().pow(2).sum()) for p in sharded if p.grad is not None)
-        for layer, expert, params in replicated:
-            share = 1.0 / layer.placement.num_replicas(expert)
-            expert_sq += share * sum(float(p.grad.double().pow(2).sum()) for p in params)
-        if self.groups.distributed and self.groups.ep_size > 1:
-            total = torch.tensor([expert_sq], dtype=torch.float64)
-            expert_sq = float(sum_over_ranks(total, self.groups, "gradient norm all_reduce (ep group)",
-                                             self.groups.ep_group))
-        return math.sqrt(dense_sq + expert_sq)
+    def _local_shapes(self, shard: LayerShard) -> List[torch.Size]:
+        """Shapes of this rank's part of one expert's gradients (FSDP cuts dim 0 in expert-dp chunks)."""
+        shapes = expert_param_shapes(shard.layer.config)
+        if not self.experts_sharded:
+            return shapes
+        size, index = self.groups.dp_size, self.groups.dp_rank
+        return [local_chunk_shape(shape, size, index) for shape in shapes]
 
-    def clip(self, max_norm: float) -> float:
+    def grad_norm(self, shards: Sequence[LayerShard]) -> Tensor:
+        """Global L2 norm (a 0-d float64 tensor on the device) with every logical parameter counted
+        once: dense once, each expert once. One fused norm pass per group, no host read.
+
+        Replicated dense parts count as they are; shards of sharded ones are summed over the world (each
+        element lives on one rank, per replica); plain experts are summed over the ep group."""
+        split = split_params(self.model, shards)
+        device = self.groups.device
+        dense_sq = _sum_of_squares(_grads(split.dense), device)
+        world_sq = _sum_of_squares(_grads(split.dense_fsdp), device)
+        expert_sq = _sum_of_squares(_grads(split.experts), device)
+        for shard, expert, params in split.replicated:
+            share = 1.0 / shard.placement.num_replicas(expert)
+            expert_sq = expert_sq + share * _sum_of_squares(_grads(params), device)
+        if self.experts_sharded:
+            world_sq, expert_sq = world_sq + expert_sq, torch.zeros_like(expert_sq)
+        if self.groups.distributed:
+            world_sq = sum_over_ranks(world_sq.reshape(1), self.groups, "gradient norm all_reduce (world)").reshape(())
+            if self.groups.ep_size > 1 and not self.experts_sharded:
+                expert_sq = sum_over_ranks(expert_sq.reshape(1), self.groups, "gradient norm all_reduce (ep group)",
+                                           self.groups.ep_group).reshape(())
+        return (dense_sq + world_sq + expert_sq).sqrt()
+
+    def clip(self, shards: Sequence[LayerShard], max_norm: float) -> float:
         """Scale all gradients so the global norm is at most max_norm; returns the norm before."""
-        norm = self.grad_norm()
-        if max_norm > 0 and norm > max_norm:
-            scale = max_norm / (norm + 1e-6)
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        return norm
+        norm = self.grad_norm(shards)
+        grads = _grads(list(self.model.parameters()))
+        if max_norm > 0 and grads:
+            scale = torch.where(norm > max_norm, max_norm / (norm + 1e-6), torch.ones_like(norm))
+            torch._foreach_mul_(grads, scale.to(grads[0].dtype))
+        return float(norm)  # NOTE: device-to-host sync, once per step (the logged norm)
+
+
+def local_chunk_shape(shape: torch.Size, num_chunks: int, index: int) -> torch.Size:
+    """Shape of chunk `index` when dim 0 is cut like torch.chunk (FSDP2's default Shard(0))."""
+    chunks = torch.empty(shape, device="meta").chunk(num_chunks, dim=0)
+    return chunks[index].shape if index < len(chunks) else torch.Size((0,) + tuple(shape[1:]))
+
+
+def _sum_of_squares(tensors: List[Tensor], device: torch.device) -> Tensor:
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(torch._foreach_norm(tensors)).double().pow(2).sum()

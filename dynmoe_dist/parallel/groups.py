@@ -31,8 +31,8 @@ class ParallelGroups:
     rank: int
     ep_size: int
     ep_group: Any
-    dp_group: Any
-    """Ranks holding the same expert shard (same ep_rank)."""
+    expert_dp_group: Any
+    """Ranks holding the same expert shard (same ep_rank): expert gradients are summed over it."""
     backend: str
     device: torch.device
     timeout_s: float
@@ -91,13 +91,19 @@ def world_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def current_world_size() -> int:
+    """The world this process belongs to: the initialised group's, else what the launcher announced
+    (known before any group exists, so start-up checks can use it)."""
+    return dist.get_world_size() if dist.is_initialized() else world_from_env()
+
+
 def init_groups(parallel_config) -> ParallelGroups:
     """Join (or start) the default process group and build the ep and expert-dp groups.
 
     Everything that can be checked without communication is checked first, so a bad setting fails on
     every rank with the same message before any collective could hang.
     """
-    world_size = dist.get_world_size() if dist.is_initialized() else world_from_env()
+    world_size = current_world_size()
     ep_size = resolve_ep_size(parallel_config.ep_size, world_size)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(parallel_config.device, local_rank)
@@ -134,15 +140,16 @@ def build_groups(ep_size: int, device: torch.device = torch.device("cpu"), timeo
     """ParallelGroups for an initialised default group (collective: call on every rank)."""
     world_size, rank = dist.get_world_size(), dist.get_rank()
     ep_size = resolve_ep_size(ep_size, world_size)
-    ep_group, dp_group = _subgroups(world_size, ep_size, rank, timeout_s)
-    return ParallelGroups(world_size, rank, ep_size, ep_group, dp_group, dist.get_backend(), device, timeout_s)
+    ep_group, expert_dp_group = _subgroups(world_size, ep_size, rank, timeout_s)
+    return ParallelGroups(world_size, rank, ep_size, ep_group, expert_dp_group, dist.get_backend(), device,
+                          timeout_s)
 
 
 def _subgroups(world_size: int, ep_size: int, rank: int, timeout_s: float):
     """new_group is collective over the world: every rank creates every group, in the same order."""
     dp_size = world_size // ep_size
     timeout = timedelta(seconds=timeout_s)
-    ep_group = dp_group = None
+    ep_group = expert_dp_group = None
     for dp_rank in range(dp_size):
         group = dist.new_group(list(range(dp_rank * ep_size, (dp_rank + 1) * ep_size)), timeout=timeout)
         if rank // ep_size == dp_rank:
@@ -150,8 +157,8 @@ def _subgroups(world_size: int, ep_size: int, rank: int, timeout_s: float):
     for ep_rank in range(ep_size):
         group = dist.new_group(list(range(ep_rank, world_size, ep_size)), timeout=timeout)
         if rank % ep_size == ep_rank:
-            dp_group = group
-    return ep_group, dp_group
+            expert_dp_group = group
+    return ep_group, expert_dp_group
 
 
 @contextlib.contextmanager
@@ -186,6 +193,16 @@ def all_gather_object(obj, groups: ParallelGroups, what: str) -> List[Any]:
     with named(what, groups):
         dist.all_gather_object(out, obj)
     return out
+
+
+def broadcast_object(obj, groups: ParallelGroups, what: str, src: int = 0):
+    """Rank `src`'s object on every rank (small plain data: plans, digests)."""
+    if not groups.distributed:
+        return obj
+    payload = [obj]
+    with named(what, groups):
+        dist.broadcast_object_list(payload, src=src)
+    return payload[0]
 
 
 def check_same_everywhere(value: str, groups: ParallelGroups, what: str) -> None:

@@ -24,9 +24,11 @@ from torch import Tensor
 
 from ..moe.experts import FeedForward, expert_param_shapes, new_expert
 from ..moe.layer import MoELayer
+from ..planning.placement import Placement
 from ..planning.planner import AddSpec, LayerPlan
-from .expert_parallel import install_placement
+from .expert_parallel import install_shard
 from .groups import ParallelGroups, named
+from .shard import LayerShard
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -36,11 +38,13 @@ def _scalar_dtype() -> torch.dtype:
 
 
 # -- 1. linear combinations of experts -------------------------------------------------------------
-def combine_experts(combos: Sequence[Sequence[Tuple[int, float]]], layer: MoELayer, groups: ParallelGroups,
-                    local: Dict[int, FeedForward]) -> List[List[Tensor]]:
+def combine_experts(combos: Sequence[Sequence[Tuple[int, float]]], shard: LayerShard,
+                    groups: ParallelGroups) -> List[List[Tensor]]:
     """For each combo [(old id, coefficient)], the parameter list sum_e c_e * params(e), on every ep rank."""
     if not combos:
         return []
+    layer = shard.layer
+    owned = dict(shard.owned_modules())
     shapes = expert_param_shapes(layer.config)
     template = layer.router.weight  # experts share the router's device and dtype (model.to applies to all)
     dtype = template.dtype
@@ -48,8 +52,8 @@ def combine_experts(combos: Sequence[Sequence[Tuple[int, float]]], layer: MoELay
     flat = torch.zeros(len(combos), sum(sizes), dtype=dtype, device=template.device)
     for row, combo in enumerate(combos):
         for expert, coeff in combo:
-            if expert in local and min(layer.placement.holders(expert)) == groups.ep_rank:
-                flat[row] += coeff * torch.cat([p.detach().reshape(-1) for p in local[expert].parameters()])
+            if expert in owned:  # each expert contributes once, from its owner
+                flat[row] += coeff * torch.cat([p.detach().reshape(-1) for p in owned[expert].parameters()])
     if groups.ep_size > 1:
         with named("expert combination all_reduce (ep group)", groups):
             dist.all_reduce(flat, group=groups.ep_group)
@@ -155,30 +159,32 @@ def _unpack(payload: Tensor, params: Sequence[Tensor], flags: List[int], optimiz
     assert reader.offset == payload.numel(), "expert payload size disagrees with its header"
 
 
-def transfers(lp: LayerPlan, old_placement) -> List[Tuple[int, int, int]]:
-    """(new id, source ep rank, destination ep rank) for every kept expert landing on a new rank."""
+def transfers(lp: LayerPlan, old_placement: Placement) -> List[Tuple[int, int, int]]:
+    """(new id, source ep rank, destination ep rank) for every kept expert landing on a new rank; the
+    expert's owner sends it."""
     moves = []
     for new_id, old_id in enumerate(lp.kept):
         holders = old_placement.holders(old_id)
         for dst in lp.placement.holders(new_id):
             if dst not in holders:
-                moves.append((new_id, min(holders), dst))
+                moves.append((new_id, old_placement.owner(old_id), dst))
     return moves
 
 
 # -- 3. the layer as a whole -------------------------------------------------------------------------
-def apply_layer_plan(lp: LayerPlan, layer: MoELayer, optimizer, groups: ParallelGroups,
-                     discarded: Optional[List[Tensor]], name: str = "moe") -> Optional[List[Tensor]]:
-    """Rebuild `layer` as the plan says; returns the (possibly updated) remembered discarded expert."""
-    old_placement = layer.placement
-    local = dict(zip(old_placement.experts_on(groups.ep_rank), layer.experts.experts))
+def apply_layer_plan(lp: LayerPlan, shard: LayerShard, optimizer, groups: ParallelGroups,
+                     discarded: Optional[List[Tensor]]) -> Tuple[LayerShard, Optional[List[Tensor]]]:
+    """Rebuild the shard's layer as the plan says. Returns the layer's new shard record and the (possibly
+    updated) remembered discarded expert."""
+    layer = shard.layer
+    local = dict(shard.local_modules())
     combos = [spec.coeffs for spec in lp.added if spec.source == "experts"]
     if lp.remember_discarded is not None:
         combos.append(((lp.remember_discarded, 1.0),))
-    combined = combine_experts(combos, layer, groups, local)
+    combined = combine_experts(combos, shard, groups)
     if lp.remember_discarded is not None:
         discarded = combined.pop()
-    received = _move_experts(lp, old_placement, layer, local, optimizer, groups)
+    received = _move_experts(lp, shard, local, optimizer, groups)
     added = _added_experts(lp.added, combined, discarded, layer.config, layer.router.weight)
     experts = []
     for new_id in lp.placement.experts_on(groups.ep_rank):
@@ -189,18 +195,19 @@ def apply_layer_plan(lp: LayerPlan, layer: MoELayer, optimizer, groups: Parallel
             experts.append(copy.deepcopy(added[new_id - len(lp.kept)]))
     layer.experts.set_experts(experts)
     resize_router(layer, lp, optimizer)
-    install_placement(layer, lp.placement, groups, name)
-    return discarded
+    new_shard = shard.moved_to(lp.placement)
+    install_shard(new_shard, groups)
+    return new_shard, discarded
 
 
-def _move_experts(lp, old_placement, layer, local, optimizer, groups) -> Dict[int, FeedForward]:
+def _move_experts(lp: LayerPlan, shard: LayerShard, local, optimizer, groups) -> Dict[int, FeedForward]:
     received = {}
-    like = layer.router.weight  # device and dtype of every expert
-    for new_id, src, dst in transfers(lp, old_placement):
+    like = shard.layer.router.weight  # device and dtype of every expert
+    for new_id, src, dst in transfers(lp, shard.placement):
         if groups.ep_rank == src:
             send_expert(local[lp.kept[new_id]], optimizer, groups.global_rank(dst), groups)
         elif groups.ep_rank == dst:
-            received[new_id] = recv_expert(layer.config, like, optimizer, groups.global_rank(src), groups)
+            received[new_id] = recv_expert(shard.layer.config, like, optimizer, groups.global_rank(src), groups)
     return received
 
 

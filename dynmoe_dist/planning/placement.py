@@ -126,5 +126,10 @@ class Placement:
     def holders(self, expert: int) -> List[int]:
         return [rank for rank, _ in self.replicas[expert]]
 
+    def owner(self, expert: int) -> int:
+        """The ep rank that speaks for an expert wherever one copy must act alone (it contributes the
+        expert to combinations, sends it when it moves, writes it to checkpoints): its first holder."""
+        return min(self.holders(expert))
+
     def digest(self) -> str:
         return hashlib.sha256(repr((self.ep_size, self.replicas)).encode()).hexdigest()[:16]

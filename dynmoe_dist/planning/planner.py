@@ -13,25 +13,37 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Protocol, Sequence, Tuple
 
-
+from ..moe.config import MoEConfig
 from .packing import pack_experts, rank_loads
 from .placement import Placement
 from .stats import WindowStats
 
 
+class PlanningOptions(Protocol):
+    """The options of the run's [adaptive] section the planner reads (``config.AdaptiveConfig``)."""
+
+    max_adds_per_event: int
+    expert_init: str
+    rebalance: bool
+    replicate_factor: float
+    max_replicas: int
+
+
 @dataclass(frozen=True)
 class PlannerConfig:
-    min_experts: int
-    max_experts: int
-    max_adds_per_event: int = 1
-    expert_init: str = "reuse_discarded"
-    rebalance: bool = True
-    replicate_factor: float = 1.5
-    max_replicas: int = 0
-    adapt_experts: bool = True
-    """False for top-k/top-p layers: only re-placement and replication apply."""
+    """What the planner reads for one layer: the run config's own objects, not copies of their fields."""
+
+    moe: MoEConfig
+    """The layer's config: min_experts, max_experts and the router."""
+    adaptive: PlanningOptions
+    """The run's [adaptive] section."""
+
+    @property
+    def adapt_experts(self) -> bool:
+        """Only top-any layers add and remove experts; top-k/top-p layers are only re-placed and replicated."""
+        return self.moe.router == "top_any"
 
 
 @dataclass(frozen=True)
@@ -103,8 +115,9 @@ def plan_layer(index: int, stats: WindowStats, placement: Placement, cfg: Planne
     added = choose_additions(stats, counts, kept, removed, cfg, has_discarded, seed) if cfg.adapt_experts else []
     loads = estimated_loads(counts, kept, added, stats, history)
     homes = [placement.holders(old) for old in kept] + [[] for _ in added]
-    new_placement, moves = pack_experts(loads, homes, placement.ep_size, rebalance=cfg.rebalance,
-                                        replicate_factor=cfg.replicate_factor, max_replicas=cfg.max_replicas)
+    policy = cfg.adaptive
+    new_placement, moves = pack_experts(loads, homes, placement.ep_size, rebalance=policy.rebalance,
+                                        replicate_factor=policy.replicate_factor, max_replicas=policy.max_replicas)
     before = imbalance(rank_loads(placement, counts))
     after = imbalance(rank_loads(new_placement, loads))
     return LayerPlan(index, tuple(removed), tuple(kept), tuple(added), new_placement,
@@ -114,15 +127,15 @@ def plan_layer(index: int, stats: WindowStats, placement: Placement, cfg: Planne
 def choose_removals(counts: List[float], cfg: PlannerConfig) -> List[int]:
     """Every expert with zero activations, lowest ids first, never going below min_experts."""
     unused = [e for e, c in enumerate(counts) if c == 0]
-    return unused[: max(0, len(counts) - cfg.min_experts)]
+    return unused[: max(0, len(counts) - cfg.moe.min_experts)]
 
 
 def choose_additions(stats: WindowStats, counts: List[float], kept: List[int], removed: List[int],
                      cfg: PlannerConfig, has_discarded: bool, seed: int) -> List[AddSpec]:
-    room = cfg.max_experts - len(kept)
-    num_adds = min(cfg.max_adds_per_event, room) if stats.num_unrouted > 0 else 0
+    room = cfg.moe.max_experts - len(kept)
+    num_adds = min(cfg.adaptive.max_adds_per_event, room) if stats.num_unrouted > 0 else 0
     gates = new_gates(stats, num_adds)
-    return [_add_spec(cfg.expert_init, counts, kept, removed, has_discarded, gate, seed * 16 + i)
+    return [_add_spec(cfg.adaptive.expert_init, counts, kept, removed, has_discarded, gate, seed * 16 + i)
             for i, gate in enumerate(gates)]
 
 

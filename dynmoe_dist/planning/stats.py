@@ -64,6 +64,10 @@ class WindowStats:
     def to_flat(self) -> Tensor:
         return torch.cat([self.counts_E, self.unrouted_sum_ED.reshape(-1), self.num_unrouted_E, self.k_hist_K])
 
+    def to(self, device) -> "WindowStats":
+        return WindowStats(*(t.to(device) for t in (self.counts_E, self.unrouted_sum_ED, self.num_unrouted_E,
+                                                    self.k_hist_K)))
+
     @classmethod
     def from_flat(cls, flat: Tensor, num_experts: int, dim: int) -> "WindowStats":
         flat = flat.double().cpu()

@@ -9,7 +9,7 @@ was split over ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, FrozenSet, Iterable, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -68,12 +68,38 @@ class Task:
         raise NotImplementedError(f"task {self.name!r} must build its model")
 
 
+# Options whose effect depends on the task. Each task declares the ones it reads; setting any other
+# one is a start-up warning (train/startup.py), because it would silently do nothing.
+TASK_OPTIONS: FrozenSet[str] = frozenset({
+    "task.path", "task.test_path", "task.test_fraction", "task.max_len",
+    "model.dim", "model.num_heads", "model.ffn_dim", "model.patch_size", "model.freeze",
+    # a transformers model and its tokenizer (tasks/causal_lm.py); other tasks build their own model
+    "model.source", "model.path", "task.tokenizer",
+})
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    build: Callable[..., Task]
+    """build(task_config) -> Task: loads the data."""
+    reads: Optional[FrozenSet[str]] = None
+    """The TASK_OPTIONS this task reads; None = not declared (no warnings about unread options)."""
+    validate: Optional[Callable[..., None]] = None
+    """validate(run_config): raise ValueError for settings the task cannot run, without loading data."""
+
+
 TASKS: Dict[str, Callable[..., Task]] = {}
+TASK_SPECS: Dict[str, TaskSpec] = {}
 
 
-def register(name: str):
+def register(name: str, reads: Optional[Iterable[str]] = None, validate: Optional[Callable[..., None]] = None):
+    """Decorator of a task factory; `reads` and `validate` as in TaskSpec."""
+    unknown = set(reads or ()) - TASK_OPTIONS
+    assert not unknown, f"task {name!r} declares options outside TASK_OPTIONS: {sorted(unknown)}"
+
     def wrap(factory):
         TASKS[name] = factory
+        TASK_SPECS[name] = TaskSpec(factory, None if reads is None else frozenset(reads), validate)
         return factory
     return wrap
 

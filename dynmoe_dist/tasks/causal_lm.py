@@ -165,6 +165,25 @@ def build_causal_lm(task_config) -> CausalLMTask:
     return CausalLMTask(splits, len(tokenizer), task_config.max_len, task_config.tokenizer)
 
 
-@register("causal-lm")
+def validate(run_config) -> None:
+    """What can be checked without loading anything: an HF model and a tokenizer are named, and named
+    filesystem paths exist (their content is checked when the task and the model are built)."""
+    m, t = run_config.model, run_config.task
+    if m.source != "hf":
+        raise ValueError(f"task 'causal-lm' needs model.source = 'hf' (got {m.source!r}) and model.path")
+    if not t.tokenizer:
+        raise ValueError("task.tokenizer ('') must name the model's tokenizer (usually the same path as model.path) "
+                         "for task 'causal-lm'")
+    for option, value in (("model.path", m.path), ("task.tokenizer", t.tokenizer)):
+        if not value.startswith("package:") and not Path(value).expanduser().exists():
+            raise ValueError(f"{option} ({value!r}) does not exist")
+    if not t.path:
+        raise ValueError(f"task.path ('') must name a .txt / .jsonl file, a directory of them or a built-in corpus "
+                         f"({', '.join(CORPORA)}) for task 'causal-lm'")
+
+
+@register("causal-lm", validate=validate, reads=(
+    "task.path", "task.test_path", "task.test_fraction", "task.max_len", "task.tokenizer",
+    "model.source", "model.path", "model.freeze"))
 def _causal_lm(task_config) -> CausalLMTask:
     return build_causal_lm(task_config)

@@ -41,6 +41,13 @@ def split_pool(tensors: Dict[str, Tensor], test_fraction: float, seed: int) -> D
     return {"train": take(tensors, train_idx), "test": take(tensors, test_idx)}
 
 
+def check_built_model(run_config) -> None:
+    """Shapes of a transformer built from model.* (not loaded): attention heads must split dim evenly."""
+    m = run_config.model
+    if m.dim % m.num_heads:
+        raise ValueError(f"model.dim ({m.dim}) is not divisible by model.num_heads ({m.num_heads})")
+
+
 def freeze_parameters(model: nn.Module, prefixes: Iterable[str]) -> List[str]:
     """Set requires_grad=False on every parameter named ``prefix`` or ``prefix.<anything>``.
 

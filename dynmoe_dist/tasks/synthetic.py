@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from ..models.transformer import EncoderClassifier, TransformerConfig
+from ..models.transformer import EncoderClassifier
 from .base import Task, register
+from .common import check_built_model
 
 VOCAB = 64
 NUM_CLASSES = 4
@@ -32,14 +33,14 @@ class SyntheticTask(Task):
     name = "synthetic"
 
     def build_model(self, run_config):
-        m = run_config.model
-        cfg = TransformerConfig(dim=m.dim, num_heads=m.num_heads, num_layers=m.num_layers, ffn_dim=m.ffn_dim,
-                                dropout=m.dropout, moe_layers=tuple(m.moe_layers), moe=run_config.moe)
         seq_len = self.splits["train"]["tokens_BL"].shape[1]
-        return EncoderClassifier(cfg, vocab_size=VOCAB, max_len=seq_len, num_classes=NUM_CLASSES)
+        return EncoderClassifier(run_config.model, run_config.moe, vocab_size=VOCAB, max_len=seq_len,
+                                 num_classes=NUM_CLASSES)
 
 
-@register("synthetic")
+# model.freeze is not in `reads`: this task never applies it, so setting it warns at start-up.
+@register("synthetic", validate=check_built_model, reads=(
+    "task.test_fraction", "task.max_len", "model.dim", "model.num_heads", "model.ffn_dim"))
 def build(task_config) -> SyntheticTask:
     total = task_config.num_samples or SAMPLES
     num_test = max(1, int(round(total * task_config.test_fraction)))

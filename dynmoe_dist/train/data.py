@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import List
+from typing import Dict, List
 
 import torch
 from torch import Tensor
@@ -65,6 +65,21 @@ class BatchSchedule:
 
     def epoch_of(self, step: int) -> int:
         return step // self.steps_per_epoch
+
+    def position(self, step: int) -> Dict[str, int]:
+        """Where the data stream stands before optimizer step `step` (the order is a pure function of it),
+        with what must match for a resumed run to continue the same order."""
+        return {"step": step, "epoch": self.epoch_of(step), "batch_in_epoch": step % self.steps_per_epoch,
+                "num_train": self.num_train, "global_batch_size": self.global_batch_size, "seed": self.seed}
+
+    def check_position(self, saved: Dict[str, int]) -> int:
+        """The step to continue from; raises when this schedule would replay a different data order."""
+        mine = self.position(int(saved["step"]))
+        for key in ("num_train", "global_batch_size", "seed"):
+            if int(saved[key]) != mine[key]:
+                raise ValueError(f"the checkpoint's data order does not continue here: saved {key} "
+                                 f"({saved[key]}) != this run's ({mine[key]})")
+        return mine["step"]
 
     def micro_indices(self, step: int, micro: int) -> Tensor:
         """Global sample indices of micro-batch `micro` of optimizer step `step`."""

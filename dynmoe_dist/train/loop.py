@@ -13,19 +13,21 @@ import time
 from typing import Dict, List
 
 import torch
-import torch.distributed as dist
 
 from ..config import RunConfig
 from ..moe.layer import MoELayer, find_moe_layers
+from ..parallel.blocks import apply_activation_checkpointing
 from ..parallel.expert_parallel import parallelize
+from ..parallel.fsdp import plan_sharding, shard_dense, shard_experts
 from ..parallel.grads import GradSync
-from ..parallel.groups import (ParallelGroups, check_same_everywhere, init_groups, resolve_ep_size, sum_over_ranks,
-                               world_from_env)
+from ..parallel.groups import (ParallelGroups, check_same_everywhere, current_world_size, init_groups,
+                               resolve_ep_size, sum_over_ranks)
+from ..parallel.shard import LayerShard
+from ..planning.packing import rank_loads as rank_loads_of
 from ..tasks import build_task
 from .data import BatchSchedule, shard
 from .optim import build_optimizer, set_lr
-from ..planning.packing import rank_loads as rank_loads_of
-from .recorder import attach_recorders
+from .recorder import Recorders
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bf16": torch.float32}
 
@@ -48,7 +50,7 @@ class Trainer:
         self.config = config
         if config.train.threads:
             torch.set_num_threads(config.train.threads)
-        self.world_size = dist.get_world_size() if dist.is_initialized() else world_from_env()
+        self.world_size = current_world_size()
         # Everything checkable without communication is checked before the first collective.
         self.task = build_task(config.task)
         self.schedule = BatchSchedule(self.task.size("train"), config.train.global_batch_size,
@@ -57,18 +59,24 @@ class Trainer:
         self.schedule.check_world(self.world_size)
         torch.manual_seed(config.train.seed)
         self.model = self.task.build_model(config)
+        if config.train.activation_checkpointing == "block":
+            apply_activation_checkpointing(self.model)  # fails here, before any collective, without blocks
         self.moe_layers: List[MoELayer] = [layer for _, layer in find_moe_layers(self.model)]
         self._check_experts_fit(resolve_ep_size(config.parallel.ep_size, self.world_size))
         self.groups: ParallelGroups = init_groups(config.parallel)
         check_same_everywhere(config.digest(), self.groups, "config hash")
         self.model.to(self.groups.device, DTYPES[config.train.precision])
-        parallelize(self.model, self.groups)  # each layer then holds its placement (plans change it)
+        # The one record of where each layer's experts live; plans and resumes replace its entries.
+        self.shards: List[LayerShard] = parallelize(self.model, self.groups)
+        # FSDP after expert parallelism; experts first, as they sit inside the blocks.
+        self.sharding = plan_sharding(config.parallel, self.groups, bf16=config.train.precision == "bf16")
+        shard_experts(self.shards, self.sharding)
+        shard_dense(self.model, self.shards, self.sharding)
         self.optimizer = build_optimizer(self.model, config.train)
-        self.grad_sync = GradSync(self.model, self.groups)
-        self.recorders = attach_recorders(self.moe_layers)
+        self.grad_sync = GradSync(self.model, self.groups, experts_sharded=self.sharding.experts)
+        self.recorders = Recorders(self.moe_layers)
         self.step = 0
         self.is_rank0 = self.groups.rank == 0
-        self.adaptive = None  # an AdaptiveController, set by run() when adaptive.enabled
 
     def _check_experts_fit(self, ep_size: int) -> None:
         for index, layer in enumerate(self.moe_layers):
@@ -104,13 +112,13 @@ class Trainer:
     def train_step(self) -> Dict:
         started = time.perf_counter()
         self.model.train()
-        for recorder in self.recorders:
-            recorder.reset_step()
+        self.recorders.reset_step()
         totals = StepTotals(self.groups.device)
         for micro in range(self.config.train.grad_accum):
             self.forward_backward(self.schedule.micro_indices(self.step, micro), totals)
-        self.grad_sync.sync()
-        grad_norm = self.grad_sync.clip(self.config.train.grad_clip) if self.config.train.grad_clip > 0 else None
+        self.grad_sync.sync(self.shards)
+        clip = self.config.train.grad_clip
+        grad_norm = self.grad_sync.clip(self.shards, clip) if clip > 0 else None
         lr = set_lr(self.optimizer, self.step, self.config.train, self.schedule.total_steps)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -125,7 +133,7 @@ class Trainer:
         return sum_over_ranks(vector, self.groups, what)
 
     def _step_record(self, totals: StepTotals, seconds: float, lr: float) -> Dict:
-        summed = self._sum_over_ranks(torch.cat([totals.vector()] + [r.step_vector() for r in self.recorders]),
+        summed = self._sum_over_ranks(torch.cat([totals.vector(), self.recorders.step_vector()]),
                                       "step metrics all_reduce").tolist()
         task_loss, correct, items, aux = summed[:4]
         record = {"kind": "step", "step": self.step, "epoch": self.step / self.schedule.steps_per_epoch,
@@ -138,7 +146,7 @@ class Trainer:
     def _layer_metrics(self, flat: List[float], seconds: float, items: float) -> Dict:
         num_experts, mean_k, loads, rank_loads, replicas = [], [], [], [], []
         offset, tokens = 0, items
-        for index, layer in enumerate(self.moe_layers):
+        for index, (layer, shard_) in enumerate(zip(self.moe_layers, self.shards)):
             e = layer.num_experts
             layer_tokens, k_sum, counts = flat[offset], flat[offset + 1], flat[offset + 2: offset + 2 + e]
             offset += 2 + e
@@ -146,10 +154,24 @@ class Trainer:
             num_experts.append(e)
             mean_k.append(k_sum / max(layer_tokens, 1))
             loads.append([int(c) for c in counts])
-            rank_loads.append(rank_loads_of(layer.placement, counts) if layer.placement else [float(sum(counts))])
-            replicas.append(0 if layer.placement is None else layer.placement.num_slots - e)
+            rank_loads.append(rank_loads_of(shard_.placement, counts))
+            replicas.append(shard_.placement.num_slots - e)
         return {"tokens_per_s": tokens / seconds, "num_experts": num_experts, "mean_k": mean_k,
                 "expert_load": loads, "rank_load": rank_loads, "num_replicas": replicas}
+
+    # -- checkpointed state ------------------------------------------------------------------------
+    def state_dict(self) -> Dict:
+        """The loop's own state: the step, the RNG, and where the data stream stands."""
+        state = {"step": self.step, "rng": torch.get_rng_state(), "data": self.schedule.position(self.step)}
+        if self.groups.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.groups.device)
+        return state
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.step = self.schedule.check_position(state["data"]) if "data" in state else int(state["step"])
+        torch.set_rng_state(state["rng"])
+        if "cuda_rng" in state and self.groups.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"], self.groups.device)
 
     # -- evaluation --------------------------------------------------------------------------------
     @torch.no_grad()

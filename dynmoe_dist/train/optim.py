@@ -13,6 +13,8 @@ from typing import Dict, List
 import torch
 import torch.nn as nn
 
+from ..parallel.fsdp import full, shard_like
+
 
 def decays(name: str, param: torch.Tensor) -> bool:
     return param.ndim >= 2 and "router." not in f".{name}"
@@ -63,3 +65,49 @@ def set_lr(optimizer: torch.optim.Optimizer, step: int, train_config, total_step
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
+
+
+def _cpu_state(state: Dict) -> Dict:
+    # A sharded (FSDP) moment is gathered whole: checkpoints hold logical tensors. Collective: every rank
+    # builds its state dict, in the same order.
+    return {k: full(v.detach()).cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+
+
+def _on_device(state: Dict, device) -> Dict:
+    # Adam keeps `step` on the CPU (capturable=False); moments live with their parameter.
+    return {k: v.to(device) if torch.is_tensor(v) and k != "step" else v for k, v in state.items()}
+
+
+class OptimizerState:
+    """The optimizer's per-parameter state keyed by *logical* names, for checkpoints: positions in the
+    optimizer change whenever experts are added, removed or moved, names do not.
+
+    ``{"dense": {param name: state}, "experts": {"layer/expert": {param name: state}}}``; experts are
+    saved by their owner only and restored on every rank that holds them.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, dense: List, owned_experts: Dict, local_experts: Dict):
+        self.optimizer = optimizer
+        self.dense = dict(dense)
+        self.owned_experts = owned_experts
+        self.local_experts = local_experts
+
+    def _states(self, named: Dict) -> Dict:
+        state = self.optimizer.state
+        return {name: _cpu_state(state[p]) for name, p in named.items() if p in state}
+
+    def state_dict(self) -> Dict:
+        return {"dense": self._states(self.dense),
+                "experts": {key: self._states(params) for key, params in self.owned_experts.items()}}
+
+    def load_state_dict(self, saved: Dict) -> None:
+        self._load(self.dense, saved["dense"])
+        for key, params in self.local_experts.items():
+            self._load(params, saved["experts"].get(key, {}))
+
+    def _load(self, named: Dict, saved: Dict) -> None:
+        for name, state in saved.items():
+            if name in named:
+                p = named[name]
+                self.optimizer.state[p] = {k: shard_like(v, p) if k != "step" else v
+                                           for k, v in _on_device(state, p.device).items()}

@@ -5,7 +5,7 @@ Shape legend: T tokens, E experts of the layer.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 from torch import Tensor
@@ -49,11 +49,75 @@ class LayerRecorder:
         return torch.cat([head, self.counts_E]).cpu()  # NOTE: device-to-host sync, once per step
 
 
-def attach_recorders(layers: List[MoELayer]) -> List[LayerRecorder]:
-    recorders = []
-    for layer in layers:
-        layer.routing_observers[:] = [o for o in layer.routing_observers if not isinstance(o, LayerRecorder)]
-        recorder = LayerRecorder(layer)
-        layer.routing_observers.append(recorder)
-        recorders.append(recorder)
-    return recorders
+class Recorders:
+    """The recorders of all MoE layers, in layer order: per-step counts, and the adaptive window.
+
+    Stateful for checkpoints: ``state_dict()`` is this rank's partial window (flat, float64) or None
+    outside a window; the checkpoint sums it over ranks and hands the sum back to one rank on resume.
+    """
+
+    def __init__(self, layers: List[MoELayer]):
+        self.recorders = [_attach(layer) for layer in layers]
+
+    def __iter__(self) -> Iterator[LayerRecorder]:
+        return iter(self.recorders)
+
+    def __len__(self) -> int:
+        return len(self.recorders)
+
+    def __getitem__(self, index: int) -> LayerRecorder:
+        return self.recorders[index]
+
+    @property
+    def in_window(self) -> bool:
+        return any(r.window is not None for r in self.recorders)
+
+    def reset_step(self) -> None:
+        for recorder in self.recorders:
+            recorder.reset_step()
+
+    def start_window(self) -> None:
+        for recorder in self.recorders:
+            recorder.start_window()
+
+    def windows(self) -> List[WindowStats]:
+        return [r.window for r in self.recorders]
+
+    def end_window(self) -> None:
+        """After an event: no window, and per-step counts sized for the layers' new expert counts."""
+        for recorder in self.recorders:
+            recorder.window = None
+            recorder.reset_step()
+
+    def step_vector(self) -> Tensor:
+        return torch.cat([r.step_vector() for r in self.recorders]) if self.recorders else torch.zeros(0)
+
+    def state_dict(self) -> Dict[str, Optional[Tensor]]:
+        if not self.recorders or not self.in_window:
+            return {"window": None}
+        return {"window": torch.cat([r.window.to_flat() for r in self.recorders])}
+
+    def load_state_dict(self, state: Dict[str, Optional[Tensor]]) -> None:
+        """Restore a window (sized for the layers as they are now); None means outside a window."""
+        self.end_window()
+        flat = state.get("window")
+        if flat is None:
+            return
+        offset = 0
+        for recorder in self.recorders:
+            recorder.start_window()
+            size = recorder.window.to_flat().numel()
+            cfg = recorder.layer.config
+            recorder.window = WindowStats.from_flat(flat[offset:offset + size], recorder.layer.num_experts,
+                                                    cfg.dim).to(recorder.layer.router.weight.device)
+            offset += size
+        if offset != flat.numel():
+            raise ValueError(f"saved window statistics have {flat.numel()} values, the layers need {offset}")
+
+
+def _attach(layer: MoELayer) -> LayerRecorder:
+    """One recorder per layer: a second attach replaces the first instead of counting twice."""
+    layer.routing_observers[:] = [o for o in layer.routing_observers if not isinstance(o, LayerRecorder)]
+    recorder = LayerRecorder(layer)
+    layer.routing_observers.append(recorder)
+    return recorder

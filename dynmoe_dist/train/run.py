@@ -13,6 +13,7 @@ from ..coordination import CollectiveCoordinator
 from ..parallel.groups import barrier
 from .adaptive import AdaptiveController
 from .loop import Trainer
+from .startup import resolve_optional_features
 from .telemetry import Telemetry
 
 
@@ -61,11 +62,11 @@ def step_once(trainer: Trainer, adaptive: Optional[AdaptiveController]):
 
 def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factory: Optional[Callable] = None) -> Dict:
     started = time.perf_counter()
+    config = resolve_optional_features(config)  # idempotent: the CLI has done it already
     trainer = trainer or Trainer(config)
     from .checkpoint import CheckpointManager
-    checkpoints = CheckpointManager(trainer)
     adaptive = AdaptiveController(trainer, make_coordinator(trainer, coordinator_factory)) if config.adaptive.enabled else None
-    trainer.adaptive = adaptive
+    checkpoints = CheckpointManager(trainer, adaptive)
     if checkpoints.resume(config.output.resume) is None and trainer.is_rank0:
         archive_previous_run(Path(config.output.out_dir))
     total = trainer.schedule.total_steps

@@ -12,6 +12,8 @@ import torch
 
 from dynmoe_dist.cluster.coordinator import PlanServer, merge_rank_stats, stats_from_arrays
 from dynmoe_dist.coordination import PlanMismatch, PlanRequest
+from dynmoe_dist.config import AdaptiveConfig
+from dynmoe_dist.moe import MoEConfig
 from dynmoe_dist.planning.placement import Placement
 from dynmoe_dist.planning.planner import PlannerConfig
 from dynmoe_dist.planning.stats import WindowStats
@@ -21,7 +23,7 @@ D = 3
 
 def _request(version=1, step=26):
     return PlanRequest(version=version, step=step, placements=(Placement.balanced(4, 2),),
-                       configs=(PlannerConfig(min_experts=1, max_experts=6),), has_discarded=(False,), dims=(D,))
+                       configs=(PlannerConfig(MoEConfig(num_experts=4, max_experts=6), AdaptiveConfig()),), has_discarded=(False,), dims=(D,))
 
 
 def _arrays(counts, unrouted=None):

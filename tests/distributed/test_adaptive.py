@@ -34,20 +34,20 @@ def _trainer(ep_size):
     from dynmoe_dist.train.adaptive import AdaptiveController
     from dynmoe_dist.train.loop import Trainer
     trainer = Trainer(_config(ep_size))
-    trainer.adaptive = AdaptiveController(trainer, CollectiveCoordinator(trainer.groups))
+    adaptive = AdaptiveController(trainer, CollectiveCoordinator(trainer.groups))
     layer0, layer1 = trainer.moe_layers
     with torch.no_grad():
         layer0.router.threshold[1] = 10.0   # expert 1 of layer 0 is never chosen: removed at the first event
         layer1.router.threshold.fill_(0.35)  # many tokens of layer 1 find no expert: one is added
-    return trainer
+    return trainer, adaptive
 
 
 def adaptive_run(ep_size):
     from dynmoe_dist.train.run import step_once
-    trainer = _trainer(ep_size)
+    trainer, adaptive = _trainer(ep_size)
     losses, experts, events = [], [], []
     for _ in range(STEPS):
-        record, new_events = step_once(trainer, trainer.adaptive)
+        record, new_events = step_once(trainer, adaptive)
         losses.append(record["loss"])
         experts.append(record["num_experts"])
         events += new_events
@@ -67,9 +67,7 @@ def _hand_plan(ep_size, version=1, step=3):
 
 
 def _expert_state(trainer, layer_index, expert):
-    from dynmoe_dist.parallel.expert_parallel import local_expert_ids
-    layer = trainer.moe_layers[layer_index]
-    for e, module in zip(local_expert_ids(layer, trainer.groups), layer.experts.experts):
+    for e, module in trainer.shards[layer_index].local_modules():
         if e == expert:
             return {n: (p.detach().clone(), {k: v.clone() for k, v in trainer.optimizer.state.get(p, {}).items()})
                     for n, p in module.named_parameters()}
@@ -77,11 +75,11 @@ def _expert_state(trainer, layer_index, expert):
 
 
 def hand_plan_run(ep_size):
-    trainer = _trainer(ep_size)
-    trainer.adaptive.schedule = trainer.adaptive.schedule.__class__(10**9, 0, 1)  # no automatic events
+    trainer, adaptive = _trainer(ep_size)
+    adaptive.schedule = adaptive.schedule.__class__(10**9, 0, 1)  # no automatic events
     losses = [trainer.train_step()["loss"] for _ in range(3)]
     moved_before = _expert_state(trainer, 0, 4)  # old id 4 lives on rank 2 of 3 before the plan
-    trainer.adaptive.apply(_hand_plan(ep_size))
+    adaptive.apply(_hand_plan(ep_size))
     moved_after = _expert_state(trainer, 0, 3)   # new id 3 on rank 0 after it
     losses += [trainer.train_step()["loss"] for _ in range(10)]
     replica = _expert_state(trainer, 0, 0)

@@ -45,11 +45,11 @@ def partial_run(out_dir):
     from dynmoe_dist.train.checkpoint import CheckpointManager
     from dynmoe_dist.train.run import step_once
     trainer = _tweaked_trainer(_config(out_dir))
-    trainer.adaptive = AdaptiveController(trainer, CollectiveCoordinator(trainer.groups))
+    adaptive = AdaptiveController(trainer, CollectiveCoordinator(trainer.groups))
     for _ in range(SAVE_AT):
-        step_once(trainer, trainer.adaptive)
+        step_once(trainer, adaptive)
     assert trainer.recorders[0].window is not None, "the checkpoint must fall inside a window"
-    return str(CheckpointManager(trainer).save()), [layer.num_experts for layer in trainer.moe_layers]
+    return str(CheckpointManager(trainer, adaptive).save()), [layer.num_experts for layer in trainer.moe_layers]
 
 
 def resumed_run(out_dir, checkpoint, ep_size):
@@ -94,3 +94,40 @@ def test_resume_on_another_world_size_matches_uninterrupted(reference, checkpoin
     assert events == [e for e in events_ref if e[0] > SAVE_AT] != []
     assert final["num_experts"] == final_ref["num_experts"]
     assert abs(final["test_loss"] - final_ref["test_loss"]) <= 1e-9 * final_ref["test_loss"]
+
+
+def resume_and_report(out_dir, checkpoint, ep_size):
+    """Resume (no training) and report the placements in force and the expert files this rank read."""
+    from dynmoe_dist.train import checkpoint as ckpt
+    from dynmoe_dist.train.loop import Trainer
+    opened = []
+    original = ckpt.load_file
+
+    def recording(path):
+        opened.append(path.name)
+        return original(path)
+
+    ckpt.load_file = recording
+    try:
+        trainer = Trainer(_config(out_dir, ep_size=ep_size))
+        ckpt.CheckpointManager(trainer).resume(checkpoint)
+    finally:
+        ckpt.load_file = original
+    return ([shard.placement.to_lists() for shard in trainer.shards], sorted(n for n in opened if n.startswith("experts")),
+            trainer.groups.ep_rank, trainer.step)
+
+
+def test_resume_at_the_same_ep_size_keeps_the_saved_placement(checkpoint, tmp_path):
+    """Rebalanced layouts and replicas survive a resume at the same ep size (not rebuilt as the default)."""
+    from dynmoe_dist.parallel.reshard import owner_files_needed
+    from dynmoe_dist.planning.placement import Placement
+    path, _ = checkpoint
+    meta = torch.load(f"{path}/meta.pt", weights_only=True)
+    saved = [Placement.from_lists(json.loads(p)) for p in meta["placements"]]
+    assert any(p != Placement.default(p.num_experts, 2) for p in saved), "the saved layout must not be the default"
+    results = run_simulated(resume_and_report, 2, args=(str(tmp_path), path, 2), timeout_s=300)
+    for placements, opened, ep_rank, step in results:
+        assert [Placement.from_lists(p) for p in placements] == saved
+        assert step == SAVE_AT
+        # a rank opens exactly the files of the owners of the experts it holds
+        assert opened == [f"experts_ep{o}.pt" for o in owner_files_needed(saved, saved, ep_rank)]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dynmoe_dist.moe import MoEConfig, MoELayer
-from dynmoe_dist.parallel.expert_parallel import local_expert_ids, parallelize
+from dynmoe_dist.parallel.expert_parallel import parallelize
 from dynmoe_dist.parallel.grads import GradSync
 from dynmoe_dist.parallel.groups import build_groups, single_process
 from dynmoe_dist.parallel.simulate import run_simulated
@@ -61,13 +61,12 @@ def _token_slice(rank, world):
     return slice(lo, lo + TOKENS[rank])
 
 
-def _run_case(case, layer, x, cot, groups):
+def _run_case(case, layer, shards, x, cot, groups):
     x = x.clone().requires_grad_()
     res = layer(x)
     ((res.output * cot).sum() + res.aux_loss).backward()
-    GradSync(layer, groups).sync()
-    experts = {e: [p.grad.clone() for p in m.parameters()]
-               for e, m in zip(local_expert_ids(layer, groups), layer.experts.experts)}
+    GradSync(layer, groups).sync(shards)
+    experts = {e: [p.grad.clone() for p in m.parameters()] for e, m in shards[0].local_modules()}
     return dict(output=res.output.detach(), x_grad=x.grad, aux=res.aux_loss.detach(),
                 router=[p.grad.clone() for p in layer.router.parameters()], experts=experts,
                 rows_sent=getattr(getattr(layer.dispatcher, "comm", None), "rows_sent", None),
@@ -84,17 +83,17 @@ def ep_worker(world):
         placement = None
         if "experts_per_rank" in case:
             placement = [Placement.from_rank_lists(world, case["E"], case["experts_per_rank"])]
-        parallelize(layer, groups, placement)
+        shards = parallelize(layer, groups, placement)
         x, cot = _inputs(case, world)
         sl = _token_slice(rank, world)
-        results.append(_run_case(case, layer, x[sl], cot[sl], groups))
+        results.append(_run_case(case, layer, shards, x[sl], cot[sl], groups))
     return results
 
 
 def _reference(case, world):
-    layer = _layer(case)
+    layer = _layer(case)  # the plain layer: one process, every expert local, in logical order
     x, cot = _inputs(case, world)
-    return _run_case(case, layer, x, cot, single_process())
+    return _run_case(case, layer, parallelize(layer, single_process()), x, cot, single_process())
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4])
@@ -140,8 +139,9 @@ def test_wire_carries_exactly_the_routed_rows(cluster):
 def test_world_one_parallelize_is_identity():
     case = dict(E=5, ep=1, router="top_any", seed=3)
     layer = _layer(case)
-    parallelize(layer, single_process())
+    shards = parallelize(layer, single_process())
     x, cot = _inputs(case, 1)
-    got, ref = _run_case(case, layer, x, cot, single_process()), _reference(case, 1)
+    got, ref = _run_case(case, layer, shards, x, cot, single_process()), _reference(case, 1)
     _close(got["output"], ref["output"], "output")
-    assert layer.placement.num_experts == 5 and len(layer.experts) == 5
+    assert shards[0].placement.num_experts == 5 and len(layer.experts) == 5
+    assert shards[0].local_experts == [0, 1, 2, 3, 4] and shards[0].owned_modules() == list(shards[0].local_modules())

@@ -1,8 +1,11 @@
 """Run configuration: TOML + --set overrides, unknown keys, validation, help text, digest."""
 
+from typing import List, Optional, Tuple
+
 import pytest
 
 from dynmoe_dist.config import RunConfig, load_config, options_help, parse_override
+from dynmoe_dist.moe.config import conforms, describe
 
 
 def test_toml_and_overrides(tmp_path):
@@ -54,3 +57,31 @@ def test_digest_ignores_output_section():
     a, b = RunConfig(), load_config(None, ["output.out_dir=elsewhere"])
     assert a.digest() == b.digest()
     assert a.digest() != load_config(None, ["train.lr=0.5"]).digest()
+
+
+@pytest.mark.parametrize("value, annotation, ok", [
+    (3, int, True), (True, int, False), (3.0, int, False),
+    (3, float, True), (2.5, float, True), (False, float, False), ("2", float, False),
+    (True, bool, True), (1, bool, False), ("yes", bool, False), ("x", str, True), (1, str, False),
+    ([1, 2], List[int], True), ([1, "2"], List[int], False), ("a", List[str], False), ([], List[str], True),
+    ([0.9, 1], Tuple[float, float], True), ([0.9], Tuple[float, float], False),
+    (["a", "b"], Tuple[str, ...], True), (None, Optional[int], True), (4, Optional[int], True),
+    ("4", Optional[int], False), (None, int | None, True), ("x", int | None, False),
+])
+def test_value_types_follow_the_annotation(value, annotation, ok):
+    assert conforms(value, annotation) is ok
+
+
+def test_type_descriptions_and_unsupported_annotations():
+    assert [describe(a) for a in (int, float, bool, List[str], Tuple[float, float], Optional[Tuple[str, ...]])] == [
+        "an integer", "a number", "true or false", "a list of strings", "a list of 2 numbers", "a list of strings"]
+    with pytest.raises(TypeError, match="not supported"):
+        conforms({}, dict)
+
+
+def test_ints_for_float_options_become_floats_and_keys_are_recorded(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[train]\nepochs = 3\n")
+    cfg = load_config(str(path), ["moe.top_p=1"])
+    assert isinstance(cfg.train.epochs, float) and isinstance(cfg.moe.top_p, float)
+    assert cfg.explicit == {"train.epochs", "moe.top_p"} and RunConfig().explicit == frozenset()

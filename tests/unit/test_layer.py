@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from dynmoe_dist import FeedForward, MoEConfig, MoELayer, upcycle
-from dynmoe_dist.models.transformer import (CausalLM, EncoderClassifier, TransformerConfig,
-                                            ViTClassifier)
+from dynmoe_dist.config import ModelConfig
+from dynmoe_dist.models.transformer import CausalLM, EncoderClassifier, ViTClassifier
 
 
 def test_layer_returns_output_aux_and_routing():
@@ -110,25 +110,25 @@ def _moe(router="top_any"):
 @pytest.mark.parametrize("router", ["top_any", "top_k", "top_p"])
 def test_models_forward_backward(router):
     torch.manual_seed(0)
-    cfg = TransformerConfig(dim=32, num_heads=4, num_layers=2, ffn_dim=64, moe_layers=(0, 1), moe=_moe(router))
-    enc = EncoderClassifier(cfg, vocab_size=50, max_len=12, num_classes=3)
+    cfg = ModelConfig(dim=32, num_heads=4, num_layers=2, ffn_dim=64, moe_layers=[0, 1], patch_size=4)
+    moe = _moe(router)
+    enc = EncoderClassifier(cfg, moe, vocab_size=50, max_len=12, num_classes=3)
     tokens = torch.randint(0, 50, (4, 12))
     valid = torch.ones(4, 12, dtype=torch.bool)
     valid[0, 6:] = False
     out = enc(tokens, valid)
     assert out.logits.shape == (4, 3) and out.aux_loss > 0
     (out.logits.sum() + out.aux_loss).backward()
-    vit = ViTClassifier(cfg, image_size=8, patch_size=4, channels=1, num_classes=10)
+    vit = ViTClassifier(cfg, moe, image_size=8, channels=1, num_classes=10)
     assert vit(torch.randn(2, 1, 8, 8)).logits.shape == (2, 10)
-    lm = CausalLM(cfg, vocab_size=40, max_len=10)
+    lm = CausalLM(cfg, moe, vocab_size=40, max_len=10)
     assert lm(torch.randint(0, 40, (2, 10))).logits.shape == (2, 10, 40)
 
 
 def test_causal_lm_does_not_look_ahead():
     torch.manual_seed(0)
-    cfg = TransformerConfig(dim=16, num_heads=2, num_layers=2, ffn_dim=32, moe_layers=(1,),
-                            moe=MoEConfig(num_experts=2, router="top_k", top_k=1))
-    lm = CausalLM(cfg, vocab_size=20, max_len=8).eval()
+    cfg = ModelConfig(dim=16, num_heads=2, num_layers=2, ffn_dim=32, moe_layers=[1])
+    lm = CausalLM(cfg, MoEConfig(num_experts=2, router="top_k", top_k=1), vocab_size=20, max_len=8).eval()
     a = torch.randint(0, 20, (1, 8))
     b = a.clone()
     b[0, 5:] = (b[0, 5:] + 1) % 20
@@ -137,10 +137,18 @@ def test_causal_lm_does_not_look_ahead():
 
 def test_padding_does_not_change_encoder_output():
     torch.manual_seed(0)
-    cfg = TransformerConfig(dim=16, num_heads=2, num_layers=1, ffn_dim=32, moe_layers=(0,),
-                            moe=MoEConfig(num_experts=2, router="top_k", top_k=1))
-    enc = EncoderClassifier(cfg, vocab_size=20, max_len=8, num_classes=2).eval()
+    cfg = ModelConfig(dim=16, num_heads=2, num_layers=1, ffn_dim=32, moe_layers=[0])
+    enc = EncoderClassifier(cfg, MoEConfig(num_experts=2, router="top_k", top_k=1), vocab_size=20, max_len=8,
+                            num_classes=2).eval()
     tokens = torch.randint(0, 20, (1, 5))
     padded = torch.cat([tokens, torch.zeros(1, 3, dtype=torch.long)], 1)
     valid = torch.tensor([[True] * 5 + [False] * 3])
     torch.testing.assert_close(enc(tokens).logits, enc(padded, valid).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_models_read_only_fields_the_run_config_has():
+    import dataclasses
+
+    from dynmoe_dist.models.transformer import ModelShape
+    fields = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+    assert set(ModelShape.__annotations__) <= set(fields), set(ModelShape.__annotations__) - set(fields)

@@ -1,59 +1,133 @@
-"""The dependency direction of DESIGN.md, checked by parsing imports (AST), not by convention."""
+"""The dependency direction of DESIGN.md, checked by parsing imports (AST), not by convention.
+
+kernels -> moe -> models -> planning -> parallel -> train -> cluster -> launcher: a module may import
+its own layer and the layers before it, never one after it. The modules DESIGN does not list sit where
+their imports put them: ``tasks`` and ``config`` between planning and parallel (they build models and
+read the planner's options), ``coordination`` between parallel and train (the trainer calls it), and
+``bench`` / ``experiments`` between train and cluster (they drive the trainer).
+"""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PURE = ["dynmoe_dist/moe", "dynmoe_dist/models", "dynmoe_dist/planning", "kernels"]
 PACKAGES = ["dynmoe_dist", "kernels", "cluster", "launcher"]
+ORDER = ["kernels", "moe", "models", "planning", "tasks", "config", "parallel", "coordination", "train",
+         "bench", "experiments", "export", "hf", "cluster", "launcher"]
+LAYER_OF_FOLDER = {"kernels": "kernels", "cluster": "cluster", "launcher": "launcher"}
 
 
-def _imports(path: Path):
-    tree = ast.parse(path.read_text(), filename=str(path))
+def _module_name(path: Path) -> str:
+    """Dotted name as the installed package sees it (kernels/ and cluster/ live in dynmoe_dist)."""
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[0] in ("kernels", "cluster"):
+        parts = ["dynmoe_dist"] + parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports(path: Path, source: str = None, module: str = None):
+    """Absolute names of everything the file imports, relative imports resolved."""
+    tree = ast.parse(source if source is not None else path.read_text(), filename=str(path))
+    package = (module or _module_name(path)).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            yield module
+            if node.module is None:  # `from . import x`: x is a module of the package
+                yield from (f"{module}.{alias.name}" for alias in node.names)
 
 
 def _files(folder: str):
     return sorted((ROOT / folder).rglob("*.py"))
 
 
-def test_pure_packages_never_import_distributed_or_ray():
-    offenders = []
-    for folder in PURE:
-        for path in _files(folder):
-            for name in _imports(path):
-                if name.startswith("torch.distributed") or name.split(".")[0] == "ray":
-                    offenders.append(f"{path.relative_to(ROOT)}: {name}")
+def _all_files():
+    return [p for folder in PACKAGES for p in _files(folder)]
+
+
+def layer_of(module: str):
+    """The design layer of a dynmoe_dist module (None: the package root, or outside the project)."""
+    parts = module.split(".")
+    if parts[0] in LAYER_OF_FOLDER:
+        return LAYER_OF_FOLDER[parts[0]]
+    if parts[0] != "dynmoe_dist" or len(parts) < 2:
+        return None
+    return parts[1] if parts[1] in ORDER else None
+
+
+def upward_imports(path: Path, source: str = None, module: str = None):
+    module = module or _module_name(path)
+    here = layer_of(module)
+    if here is None:
+        return []
+    return [f"{path.relative_to(ROOT)} ({here}) imports {name} ({layer_of(name)})"
+            for name in _imports(path, source, module)
+            if layer_of(name) is not None and ORDER.index(layer_of(name)) > ORDER.index(here)]
+
+
+def test_every_project_module_has_a_layer():
+    unplaced = [str(p.relative_to(ROOT)) for p in _all_files()
+                if layer_of(_module_name(p)) is None and _module_name(p) != "dynmoe_dist"]
+    assert not unplaced, f"modules outside the design's layers (add them to ORDER): {unplaced}"
+
+
+def test_nothing_imports_upward():
+    offenders = [line for path in _all_files() for line in upward_imports(path)]
     assert not offenders, offenders
-    assert _files("dynmoe_dist/moe"), "the check must look at real files"
 
 
-COLLECTIVE_CALLERS = ("dynmoe_dist/parallel", "dynmoe_dist/coordination.py", "dynmoe_dist/train", "cluster")
+def test_the_order_check_catches_upward_imports():
+    """The check itself, on planted sources: relative and absolute upward imports are both reported."""
+    layer_py = ROOT / "dynmoe_dist" / "moe" / "layer.py"
+    planted = "from ..parallel.groups import named\nimport dynmoe_dist.train.loop\nfrom .routing import top_any\n"
+    found = upward_imports(layer_py, planted, "dynmoe_dist.moe.layer")
+    assert len(found) == 2 and "dynmoe_dist.parallel.groups (parallel)" in found[0], found
+    kernels_py = ROOT / "kernels" / "grouped_gemm.py"
+    assert upward_imports(kernels_py, "from dynmoe_dist.moe.experts import ExpertBank\n") != []
+    assert upward_imports(layer_py, "from dynmoe_dist.kernels import grouped_mm\n", "dynmoe_dist.moe.layer") == []
 
 
-def test_torch_distributed_only_where_collectives_belong():
+def test_torch_distributed_only_in_parallel():
+    """DESIGN's one exception: torch.distributed.checkpoint from train/."""
     offenders = []
-    for folder in PACKAGES:
-        for path in _files(folder):
-            rel = str(path.relative_to(ROOT))
-            if rel.startswith(COLLECTIVE_CALLERS):
+    for path in _all_files():
+        here = layer_of(_module_name(path))
+        for name in _imports(path):
+            if not name.startswith("torch.distributed") or here == "parallel":
                 continue
-            offenders += [f"{rel}: {n}" for n in _imports(path) if n.startswith("torch.distributed")]
+            if here == "train" and name.startswith("torch.distributed.checkpoint"):
+                continue
+            offenders.append(f"{path.relative_to(ROOT)}: {name}")
     assert not offenders, offenders
 
 
 def test_ray_only_inside_cluster():
     offenders = []
-    for folder in PACKAGES:
+    for path in _all_files():
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] == "cluster":
+            continue
+        offenders += [f"{rel}: {n}" for n in _imports(path) if n.split(".")[0] == "ray"]
+    assert not offenders, offenders
+
+
+def test_kernels_and_cluster_use_absolute_imports():
+    """Relative imports there resolve only through an install's package-dir mapping; static tools and
+    Ray working directories read them wrongly."""
+    offenders = []
+    for folder in ("kernels", "cluster"):
         for path in _files(folder):
-            rel = path.relative_to(ROOT)
-            if rel.parts[0] == "cluster":
-                continue
-            offenders += [f"{rel}: {n}" for n in _imports(path) if n.split(".")[0] == "ray"]
+            tree = ast.parse(path.read_text())
+            offenders += [f"{path.relative_to(ROOT)}:{n.lineno}" for n in ast.walk(tree)
+                          if isinstance(n, ast.ImportFrom) and n.level > 0]
     assert not offenders, offenders
 
 

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from dynmoe_dist.planning.packing import pack_experts, rank_loads
+from dynmoe_dist.config import AdaptiveConfig
+from dynmoe_dist.moe import MoEConfig
 from dynmoe_dist.planning.placement import Placement
 from dynmoe_dist.planning.planner import PlannerConfig, imbalance, plan, plan_layer
 from dynmoe_dist.planning.stats import WindowStats
@@ -21,10 +23,12 @@ def _stats(counts, unrouted=()):
     return s
 
 
-def _cfg(**kw):
-    base = dict(min_experts=1, max_experts=8, expert_init="reuse_discarded", replicate_factor=1.5)
-    base.update(kw)
-    return PlannerConfig(**base)
+def _cfg(min_experts=1, max_experts=8, adapt_experts=True, **adaptive):
+    """A layer's planner inputs from the run config's own section types ([moe] and [adaptive])."""
+    moe = MoEConfig(num_experts=min_experts, min_experts=min_experts, max_experts=max_experts,
+                    router="top_any" if adapt_experts else "top_k", top_k=1)
+    return PlannerConfig(moe, AdaptiveConfig(**{"expert_init": "reuse_discarded", "replicate_factor": 1.5,
+                                                **adaptive}))
 
 
 def _check_placement(p: Placement, num_experts: int):
@@ -141,3 +145,4 @@ def test_more_replicas_when_ceil_shares_pack_unevenly():
     placement, _ = pack_experts(loads, homes, 3, replicate_factor=1.2)
     assert imbalance(rank_loads(placement, loads)) == pytest.approx(1.0)
     assert placement.num_replicas(0) == placement.num_replicas(1) == 3
+

@@ -12,12 +12,10 @@ import torch
 
 from dynmoe_dist.config import ModelConfig, RunConfig, TaskConfig
 from dynmoe_dist.moe import MoEConfig, MoELayer
-from dynmoe_dist.tasks import TASKS, build_task, split_indices
-from dynmoe_dist.tasks import assets
+from dynmoe_dist.tasks import TASKS, assets, build_task, split_indices, vision
 from dynmoe_dist.tasks.common import freeze_parameters, subset_indices
 from dynmoe_dist.tasks.text import load_rotten_tomatoes, read_jsonl
 from dynmoe_dist.tasks.vision import load_mnist_csv
-
 
 # -- assets ---------------------------------------------------------------------------------------
 
@@ -296,5 +294,7 @@ def test_vit_falls_back_to_sklearn_digits(monkeypatch):
     assert task.size("train") + task.size("test") == 1797
     out = _train_step(task, task.build_model(_vit_config(patch_size=4)))
     assert out.logits.shape == (4, 10)
-    with pytest.raises(ValueError, match=r"model.patch_size \(3\) does not divide the image size \(8"):
-        task.build_model(_vit_config(patch_size=3))
+    # the config loader's check knows the fallback's size without loading the images
+    with pytest.raises(ValueError, match=r"model.patch_size \(3\) does not divide the image size \(8x8, "
+                                         r"data sklearn_digits\); divisors: \[1, 2, 4, 8\]"):
+        vision.validate(_vit_config(patch_size=3))

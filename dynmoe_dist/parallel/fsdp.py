@@ -1,0 +1,156 @@
+"""FSDP2 (``fully_shard``) beside expert parallelism, applied after it (torchtitan's order: EP, AC, FSDP).
+
+- ``dense_sharding = "fsdp"``: every transformer block and the root are sharded over the whole world.
+  Experts are ``ignored_params`` (they keep their EP sharding), and so are the **routers**: the planner
+  resizes a router at every event (rows dropped and appended), which an FSDP-managed parameter cannot do
+  without rebuilding its group, and a router is tiny (E x D). They stay replicated and are summed by
+  ``GradSync`` like before; the dense FSDP groups are never rebuilt.
+- ``expert_sharding = "fsdp"``: each local expert is sharded over its expert-dp group (the ranks that
+  hold the same expert shard) instead of copied there. Every rank then runs every local expert each step,
+  also on zero rows (``ExpertBank.run_every_expert``), so the all-gathers and reduce-scatters always line
+  up; an expert with no rows on one rank would otherwise hang its group.
+- Gradients are *summed* (divide factor 1), as everywhere else: losses are normalised by the global batch.
+- Adaptive events and checkpoints work on full logical tensors: ``unshard_experts`` turns the sharded
+  experts back into plain modules (weights and Adam state gathered), the plan or the resume works on those
+  exactly as without FSDP, and ``shard_experts`` shards the new set again, optimizer state included.
+
+Shape legend: W world size, P expert-dp group size.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from .blocks import find_blocks
+from .groups import ParallelGroups, named
+from .migrate import expert_with
+from .shard import LayerShard
+
+
+@dataclass
+class Sharding:
+    """What FSDP does in this run (both off: plain replication, and every helper here is a no-op)."""
+
+    dense: bool
+    experts: bool
+    world_mesh: Optional[DeviceMesh] = None
+    expert_mesh: Optional[DeviceMesh] = None
+    """The expert-dp dimension of the (dp, ep) mesh: ranks with this rank's ep_rank."""
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()
+
+    @property
+    def any(self) -> bool:
+        return self.dense or self.experts
+
+
+def plan_sharding(parallel_config: Any, groups: ParallelGroups, bf16: bool) -> Sharding:
+    """The sharding a run will use; FSDP on a world of one rank warns and trains plainly. Builds the
+    device meshes (collective: every rank calls this, in the same order)."""
+    dense = parallel_config.dense_sharding == "fsdp"
+    experts = parallel_config.expert_sharding == "fsdp"
+    if (dense or experts) and not groups.distributed:
+        warnings.warn("parallel.dense_sharding/expert_sharding ('fsdp') on a world of 1 rank: nothing to shard, "
+                      "training without FSDP", stacklevel=2)
+        return Sharding(False, False)
+    if not (dense or experts):
+        return Sharding(False, False)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    device_type = groups.device.type
+    with named("device mesh creation", groups):
+        world_mesh = init_device_mesh(device_type, (groups.world_size,)) if dense else None
+        expert_mesh = init_device_mesh(device_type, (groups.dp_size, groups.ep_size),
+                                       mesh_dim_names=("expert_dp", "ep"))["expert_dp"] if experts else None
+    return Sharding(dense, experts, world_mesh, expert_mesh, policy)
+
+
+def _no_divide(module: nn.Module) -> None:
+    if isinstance(module, FSDPModule):
+        module.set_gradient_divide_factor(1.0)
+
+
+def shard_dense(model: nn.Module, shards: Sequence[LayerShard], sharding: Sharding) -> None:
+    """fully_shard every block, then the root, over the world; experts and routers are left out."""
+    if not sharding.dense:
+        return
+    ignored = {p for shard in shards for module in (shard.layer.experts, shard.layer.router)
+               for p in module.parameters()}
+    for block in find_blocks(model):
+        fully_shard(block, mesh=sharding.world_mesh, ignored_params=ignored, mp_policy=sharding.mp_policy)
+        _no_divide(block)
+    fully_shard(model, mesh=sharding.world_mesh, ignored_params=ignored, mp_policy=sharding.mp_policy)
+    _no_divide(model)
+
+
+def shard_experts(shards: Sequence[LayerShard], sharding: Sharding, optimizer=None) -> None:
+    """fully_shard each local expert over the expert-dp group. Optimizer state held for the plain
+    parameters (after an event or a resume) is sharded the same way onto the new parameters."""
+    if not sharding.experts:
+        return
+    for shard in shards:
+        shard.layer.experts.run_every_expert = True
+        for module in shard.layer.experts.experts:
+            if isinstance(module, FSDPModule):
+                continue
+            plain = list(module.parameters())
+            fully_shard(module, mesh=sharding.expert_mesh, mp_policy=sharding.mp_policy)
+            _no_divide(module)
+            if optimizer is not None:
+                for old, new in zip(plain, module.parameters()):
+                    state = optimizer.state.pop(old, None)
+                    if state:
+                        optimizer.state[new] = {k: shard_like(v, new) if k != "step" else v for k, v in state.items()}
+
+
+def unshard_experts(shards: Sequence[LayerShard], sharding: Sharding, optimizer) -> None:
+    """Replace every sharded expert by a plain module with its full weights and full Adam state
+    (collective over each expert-dp group, in slot order on every rank)."""
+    if not sharding.experts:
+        return
+    for shard in shards:
+        plain_modules = []
+        for module in shard.layer.experts.experts:
+            params = list(module.parameters())
+            plain = expert_with([full(p.detach()) for p in params], shard.layer.config)
+            for old, new in zip(params, plain.parameters()):
+                state = optimizer.state.pop(old, None)
+                if state:
+                    optimizer.state[new] = {k: full(v) for k, v in state.items()}
+            plain_modules.append(plain)
+        shard.layer.experts.set_experts(plain_modules)
+
+
+def full(t: Any) -> Any:
+    """The whole tensor behind a DTensor shard (an all-gather); anything else as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def shard_like(value: Tensor, param: Tensor) -> Tensor:
+    """A full tensor cut like `param` (a DTensor: this rank's shard, no communication); else unchanged."""
+    if isinstance(param, DTensor) and torch.is_tensor(value) and value.shape == param.shape:
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    return value
+
+
+def local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def is_sharded(p: Tensor) -> bool:
+    return isinstance(p, DTensor)
+
+
+@torch.no_grad()
+def copy_into(param: nn.Parameter, value: Tensor) -> None:
+    """Load a full logical tensor into a parameter that may be sharded."""
+    param.copy_(shard_like(value.to(dtype=param.dtype), param))
+

@@ -1,0 +1,95 @@
+"""Experts by logical id: what a rank saves, which saved files it needs, and resharding on resume.
+
+A checkpoint stores every logical expert once, written by its owner (``Placement.owner``) into the
+file of that ep rank. A resuming rank first decides the placement it will run with (the saved one when
+the ep size is unchanged, so rebalanced layouts and replicas survive; the default one otherwise), then
+reads only the files whose owners hold experts it needs, and rebuilds its banks from those tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from ..moe.experts import expert_param_specs
+from ..planning.placement import Placement
+from .expert_parallel import install_shard
+from .fsdp import copy_into
+from .groups import ParallelGroups
+from .migrate import expert_with
+from .shard import LayerShard
+
+ExpertTensors = Dict[str, Dict[str, Tensor]]
+"""'layer/expert' -> {parameter name: tensor}."""
+
+
+def expert_key(layer_index: int, expert: int) -> str:
+    return f"{layer_index}/{expert}"
+
+
+def dense_named_parameters(model: nn.Module, shards: Sequence[LayerShard]) -> List[Tuple[str, nn.Parameter]]:
+    """Every parameter that is not an expert's (routers included), by its name in the model."""
+    expert_ids = {id(p) for shard in shards for p in shard.layer.experts.parameters()}
+    return [(n, p) for n, p in model.named_parameters() if id(p) not in expert_ids]
+
+
+def owned_expert_parameters(shards: Sequence[LayerShard]) -> Dict[str, Dict[str, nn.Parameter]]:
+    """'layer/expert' -> {name: parameter} for the experts this rank owns (each written exactly once)."""
+    return {expert_key(shard.index, expert): dict(module.named_parameters())
+            for shard in shards for expert, module in shard.owned_modules()}
+
+
+def local_expert_parameters(shards: Sequence[LayerShard]) -> Dict[str, Dict[str, nn.Parameter]]:
+    """'layer/expert' -> {name: parameter} for every expert this rank holds (replicas included)."""
+    return {expert_key(shard.index, expert): dict(module.named_parameters())
+            for shard in shards for expert, module in shard.local_modules()}
+
+
+def resume_placement(saved: Placement, ep_size: int) -> Placement:
+    """The saved layout when it fits this ep size; else the default one for the saved expert count."""
+    return saved if saved.ep_size == ep_size else Placement.default(saved.num_experts, ep_size)
+
+
+def owner_files_needed(saved: Sequence[Placement], placements: Sequence[Placement], ep_rank: int) -> List[int]:
+    """The saved ep ranks whose expert files hold an expert this rank will hold."""
+    return sorted({old.owner(expert) for old, new in zip(saved, placements) for expert in new.experts_on(ep_rank)})
+
+
+def reshard(shards: Sequence[LayerShard], placements: Sequence[Placement], dense: Mapping[str, Tensor],
+            experts: Mapping[str, Mapping[str, Tensor]], groups: ParallelGroups) -> List[LayerShard]:
+    """Rebuild every MoE layer for `placements` from logical tensors: the router from the dense tensors
+    (its size follows the saved expert count), the bank from the experts this rank holds. Returns the
+    layers' new shard records; the optimizer's param groups must be refreshed afterwards."""
+    out = []
+    for shard, placement in zip(shards, placements):
+        layer = shard.layer
+        like = layer.router.weight
+        for name, _ in list(layer.router.named_parameters()):
+            saved = dense[_prefix(shard) + "router." + name]
+            setattr(layer.router, name, nn.Parameter(saved.to(device=like.device, dtype=like.dtype)))
+        specs = expert_param_specs(layer.config)
+        modules = []
+        for expert in placement.experts_on(groups.ep_rank):
+            params = experts[expert_key(shard.index, expert)]
+            modules.append(expert_with([params[n].to(device=like.device, dtype=like.dtype) for n, _ in specs],
+                                       layer.config))
+        layer.experts.set_experts(modules)
+        new = shard.moved_to(placement)
+        install_shard(new, groups)
+        out.append(new)
+    return out
+
+
+def _prefix(shard: LayerShard) -> str:
+    return f"{shard.name}." if shard.name else ""
+
+
+def load_dense(model_params: Sequence[Tuple[str, nn.Parameter]], saved: Mapping[str, Tensor]) -> None:
+    """Copy saved full tensors into the dense parameters (each rank keeps its own shard under FSDP)."""
+    for name, p in model_params:
+        if name not in saved:
+            raise ValueError(f"the checkpoint has no weights for parameter {name}")
+        copy_into(p, saved[name])

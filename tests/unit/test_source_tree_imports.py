@@ -1,0 +1,76 @@
+"""kernels/ and cluster/ resolve as dynmoe_dist.kernels / dynmoe_dist.cluster without an editable install:
+from a plain copy of the source tree (what `ray job submit --working-dir .` uploads, or a GPU machine
+running with PYTHONPATH=.), and from a regular (non-editable) install.
+
+Each check runs a fresh interpreter with the editable install's finder removed first, so only the tree
+or the installed copy under test can provide the modules.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = """
+import json, sys
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__.lower()]
+for name in [m for m in sys.modules if m == "dynmoe_dist" or m.startswith("dynmoe_dist.")]:
+    del sys.modules[name]
+import dynmoe_dist.cluster.submit, dynmoe_dist.cluster.coordinator, dynmoe_dist.kernels.grouped_gemm
+print(json.dumps({m: sys.modules[m].__file__ for m in
+                  ("dynmoe_dist", "dynmoe_dist.cluster.submit", "dynmoe_dist.kernels.grouped_gemm")}))
+"""
+
+
+def _probe(cwd: Path, pythonpath: str = "") -> dict:
+    env = {**os.environ, "PYTHONPATH": pythonpath}
+    done = subprocess.run([sys.executable, "-c", PROBE], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _source_copy(dest: Path) -> Path:
+    """The tracked tree as a Ray working dir holds it (no .venv, no install metadata)."""
+    shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(".git", ".venv", "*.egg-info", "__pycache__",
+                                                              "runs", ".cache", "build"))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def regular_install(tmp_path_factory):
+    target = tmp_path_factory.mktemp("site")
+    build = tmp_path_factory.mktemp("build_src")
+    src = _source_copy(build / "src")  # build from a copy: setuptools writes build/ and egg-info there
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                           "--target", str(target), str(src)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return target
+
+
+def test_plain_source_tree_maps_kernels_and_cluster_beside_the_package(tmp_path):
+    tree = _source_copy(tmp_path / "working_dir")
+    files = _probe(tree)
+    for name, file in files.items():
+        assert Path(file).resolve().is_relative_to(tree.resolve()), (name, file)
+    assert Path(files["dynmoe_dist.cluster.submit"]).parent == (tree / "cluster").resolve()
+
+
+def test_regular_install_uses_its_own_copies(regular_install, tmp_path):
+    files = _probe(tmp_path, str(regular_install))
+    for name, file in files.items():
+        assert Path(file).resolve().is_relative_to(regular_install.resolve() / "dynmoe_dist"), (name, file)
+
+
+def test_working_dir_over_a_regular_install_takes_one_tree(regular_install, tmp_path):
+    """Ray puts the uploaded working dir first on sys.path: every module must come from it, none mixed in
+    from the installed copy."""
+    tree = _source_copy(tmp_path / "working_dir")
+    files = _probe(tree, str(regular_install))
+    for name, file in files.items():
+        assert Path(file).resolve().is_relative_to(tree.resolve()), (name, file)
