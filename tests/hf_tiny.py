@@ -8,8 +8,8 @@ NUM_LAYERS = 3
 
 def corpus_lines(n=60, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (int(l),), generator=g))
-            for l in torch.randint(3, 12, (n,), generator=g)]
+    return [" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (int(length),), generator=g))
+            for length in torch.randint(3, 12, (n,), generator=g)]
 
 
 def save_tokenizer(directory):

@@ -164,7 +164,6 @@ class ExpertBank(nn.Module):
         return torch.cat(outs)
 
     def _grouped(self, rows_RD: Tensor, counts_e: Tensor) -> Tensor:
-        dtype = rows_RD.dtype
         offs_e = torch.cumsum(counts_e, 0).to(torch.int32)
         slot_R = torch.repeat_interleave(torch.arange(len(self.experts), device=rows_RD.device), counts_e)
         act = ACTIVATION_FNS[self.config.activation]

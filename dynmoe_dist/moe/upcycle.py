@@ -14,7 +14,7 @@ from typing import Iterable, List, Optional, Tuple
 import torch.nn as nn
 
 from .config import MoEConfig
-from .experts import EXPERT_CLASSES, ExpertBank, Expert
+from .experts import EXPERT_CLASSES, Expert, ExpertBank
 from .layer import MoELayer
 
 

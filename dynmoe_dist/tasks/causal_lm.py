@@ -4,12 +4,13 @@ Shape legend: N packed sequences, L = task.max_len tokens per sequence, B batch,
 
 Text: task.path is a .jsonl file ({"text": ...} per line), a .txt file (every non-empty line is one
 document), a directory of such files, or a built-in corpus by name: 'rotten-tomatoes' (the review
-snippets of minilm-sentiment, see tasks/assets.py; labels unused). Documents are split into train / held-out *before* packing (so
-held-out text is unseen), tokenised with the model's tokenizer (task.tokenizer), joined with the EOS
-token between documents and cut into sequences of L + 1 tokens: inputs are the first L, targets the
-last L. Every sequence has exactly L targets, which is what makes the trainer's contract simple: the
-loss is summed over target tokens and ``count_items`` is L per sequence, so the gradient does not depend
-on how a batch is split over ranks. Held-out perplexity = exp(test_loss), test_loss being per token.
+snippets of minilm-sentiment, see tasks/assets.py; labels unused). Documents are split into train /
+held-out *before* packing (so held-out text is unseen), tokenised with the model's tokenizer
+(task.tokenizer), joined with the EOS token between documents and cut into sequences of L + 1 tokens:
+inputs are the first L, targets the last L. Every sequence has exactly L targets, which is what makes
+the trainer's contract simple: the loss is summed over target tokens and ``count_items`` is L per
+sequence, so the gradient does not depend on how a batch is split over ranks. Held-out perplexity =
+exp(test_loss), test_loss being per token.
 """
 
 from __future__ import annotations

@@ -6,10 +6,10 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
+from hf_tiny import NUM_LAYERS, corpus_lines, save_llama, save_tokenizer  # noqa: E402
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.parallel.simulate import run_simulated  # noqa: E402
-from hf_tiny import NUM_LAYERS, corpus_lines, save_llama, save_tokenizer  # noqa: E402
 
 STEPS = 4
 

@@ -10,12 +10,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hf_tiny import NUM_LAYERS, WORDS, corpus_lines, save_llama, save_tokenizer  # noqa: E402  (tests/hf_tiny.py)
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.tasks import build_task  # noqa: E402
 from dynmoe_dist.tasks.causal_lm import CausalLMTask, pack  # noqa: E402
-
-from hf_tiny import NUM_LAYERS, WORDS, corpus_lines, save_llama, save_tokenizer  # noqa: E402  (tests/hf_tiny.py)
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +173,7 @@ def test_config_requires_path_for_hf():
 
 def test_trainer_fails_before_any_process_group(tmp_path, text_file, model_dir):
     import torch.distributed as dist
+
     from dynmoe_dist.train.loop import Trainer
     config = config_for(model_dir, text_file)
     config.model.path = str(tmp_path / "missing")

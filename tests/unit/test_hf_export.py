@@ -10,19 +10,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hf_tiny import NUM_LAYERS, corpus_lines, save_llama, save_tokenizer  # noqa: E402
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.export import export, main  # noqa: E402
 from dynmoe_dist.hf import MoEBlock, from_pretrained, moe_blocks  # noqa: E402
 from dynmoe_dist.models.hf.loading import load_tokenizer  # noqa: E402
 from dynmoe_dist.moe.layer import find_moe_layers  # noqa: E402
-from hf_tiny import NUM_LAYERS, corpus_lines, save_llama, save_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from dynmoe_dist.train.run import run
     from dynmoe_dist.train.loop import Trainer
+    from dynmoe_dist.train.run import run
     root = tmp_path_factory.mktemp("export")
     model_dir, out_dir = root / "model", root / "run"
     save_llama(model_dir, save_tokenizer(model_dir))
@@ -54,7 +54,7 @@ def test_export_round_trip_equals_the_trained_model(trained, tmp_path):
     want = {f"model.layers.2.mlp.moe.experts.experts.{e}.w_gate" for e in range(counts[1])}
     assert want <= keys and "model.layers.2.mlp.moe.router.threshold" in keys
     model = from_pretrained(out)
-    assert [l.num_experts for _, l in find_moe_layers(model)] == counts
+    assert [m.num_experts for _, m in find_moe_layers(model)] == counts
     ids = torch.randint(0, 16, (3, 7), generator=torch.Generator().manual_seed(0))
     trainer.model.eval()
     with torch.no_grad():
@@ -113,7 +113,7 @@ def test_resume_restores_the_grown_model(trained):
     trainer, _, checkpoint, _ = trained
     fresh = Trainer(trainer.config)  # built with moe.num_experts = 2 per layer
     CheckpointManager(fresh).resume(str(checkpoint))
-    assert [l.num_experts for l in fresh.moe_layers] == [l.num_experts for l in trainer.moe_layers]
+    assert [m.num_experts for m in fresh.moe_layers] == [m.num_experts for m in trainer.moe_layers]
     assert fresh.step == trainer.step
     ids = torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(2))
     fresh.model.eval(), trainer.model.eval()

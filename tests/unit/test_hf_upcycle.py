@@ -63,9 +63,11 @@ def vit():
         attention_probs_dropout_prob=0.0))
 
 
-BUILDERS = {"llama": llama, "llama_bias": llama_bias, "qwen2": qwen2, "mistral": mistral, "gpt2": gpt2, "bert": bert, "vit": vit}
+BUILDERS = {"llama": llama, "llama_bias": llama_bias, "qwen2": qwen2, "mistral": mistral, "gpt2": gpt2,
+            "bert": bert, "vit": vit}
 # What the adapter must read off each family: expert kind and activation.
-EXPECTED = {"llama": ("gated", "silu"), "llama_bias": ("gated", "silu"), "qwen2": ("gated", "silu"), "mistral": ("gated", "silu"),
+EXPECTED = {"llama": ("gated", "silu"), "llama_bias": ("gated", "silu"), "qwen2": ("gated", "silu"),
+            "mistral": ("gated", "silu"),
             "gpt2": ("ffn", "gelu_tanh"), "bert": ("ffn", "gelu"), "vit": ("ffn", "gelu")}
 
 
@@ -97,16 +99,16 @@ def test_upcycled_model_computes_the_dense_function(family):
     layers = find_moe_layers(model)
     assert len(layers) == 2 and all(isinstance(b, MoEBlock) for b in moe_blocks(model))
     kind, act = EXPECTED[family]
-    assert all(l.config.expert_kind == kind and l.config.activation == act for _, l in layers)
-    assert all(l.config.dim == D and l.config.ffn_dim == F and len(l.experts) == 4 for _, l in layers)
-    assert all(l.router.weight.dtype == torch.float64 for _, l in layers)
+    assert all(m.config.expert_kind == kind and m.config.activation == act for _, m in layers)
+    assert all(m.config.dim == D and m.config.ffn_dim == F and len(m.experts) == 4 for _, m in layers)
+    assert all(m.router.weight.dtype == torch.float64 for _, m in layers)
     assert len(find_mlps(model)) == N_LAYERS - 2  # the dense MLP of block 1 is still there
     with torch.no_grad():
         got = model(**x).logits
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     # ...and not trivially: more than one expert was selected by some token
-    k = [l.router(torch.randn(7, D, dtype=torch.float64), False).num_selected for _, l in layers]
+    k = [m.router(torch.randn(7, D, dtype=torch.float64), False).num_selected for _, m in layers]
     assert max(int(t.max()) for t in k) > 1
 
 

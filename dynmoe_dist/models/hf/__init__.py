@@ -3,8 +3,8 @@ architecture family), upcycle them into DynMoE layers, wrap the model for the tr
 no parallel code. Re-exported as ``dynmoe_dist.hf``."""
 
 from .adapters import SUPPORTED, MLPSite, find_mlps
-from .upcycle import MoEBlock, moe_blocks, num_mlp_blocks, take_aux_loss, upcycle_hf
 from .pretrained import from_pretrained
+from .upcycle import MoEBlock, moe_blocks, num_mlp_blocks, take_aux_loss, upcycle_hf
 from .wrappers import HFCausalLM
 
 __all__ = ["SUPPORTED", "MLPSite", "find_mlps", "MoEBlock", "moe_blocks", "num_mlp_blocks", "take_aux_loss",

