@@ -189,3 +189,18 @@ def test_smollm2_run_config_trains_only_the_top_two_blocks():
     # freeze prefixes stop at dots: 'model.layers.2' does not freeze block 28
     assert sorted(config.model.freeze) == sorted(["model.embed_tokens"] + [f"model.layers.{i}" for i in range(28)])
     assert config.parallel.ep_size == 2 and config.task.tokenizer == config.model.path
+
+
+def test_load_config_checks_what_it_can_without_loading(model_dir, text_file, tmp_path):
+    with pytest.raises(ValueError, match=r"model.path \('.*nowhere'\) does not exist"):
+        config_for(model_dir, text_file, f"model.path='{tmp_path / 'nowhere'}'")
+    with pytest.raises(ValueError, match=r"task 'causal-lm' needs model.source = 'hf' \(got 'builtin'\)"):
+        config_for(model_dir, text_file, "model.source='builtin'")
+    with pytest.raises(ValueError, match=r"task.tokenizer \(''\) must name the model's tokenizer"):
+        config_for(model_dir, text_file, "task.tokenizer=''")
+
+
+def test_options_the_run_ignores_are_named():
+    from dynmoe_dist.train.startup import ignored_options
+    builtin = load_config(None, ["model.source='hf'", "model.path='x'"])  # task 'synthetic' builds its own model
+    assert {m.split(" ")[0] for m in ignored_options(builtin)} == {"model.source", "model.path"}
