@@ -7,6 +7,7 @@ BENCHMARKS = {
     "layer": "dynmoe_dist.bench.layer",
     "ep": "dynmoe_dist.bench.ep",
     "adapt": "dynmoe_dist.bench.adapt",
+    "memory": "dynmoe_dist.bench.memory",
 }
 
 

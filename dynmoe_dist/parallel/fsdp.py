@@ -74,8 +74,11 @@ def plan_sharding(parallel_config: Any, groups: ParallelGroups, bf16: bool) -> S
 
 
 def _no_divide(module: nn.Module) -> None:
+    """Gradients are summed (the loss is already normalised by the global batch), with a plain SUM:
+    gloo has no PREMUL_SUM, which FSDP picks for some mixed-precision settings."""
     if isinstance(module, FSDPModule):
         module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
 
 
 def shard_dense(model: nn.Module, shards: Sequence[LayerShard], sharding: Sharding) -> None:

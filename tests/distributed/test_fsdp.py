@@ -99,3 +99,94 @@ def test_sharded_training_matches_one_process(world):
             shares = [r[index]["dense_local"] for r in per_rank]
             assert sum(shares) == got["dense_total"] > 0, label
             assert max(shares) <= 1.25 * got["dense_total"] / world, (label, shares)
+
+
+# -- a rank whose experts get no rows ------------------------------------------------------------------
+def starved_run(experts):
+    """ep 2 on 4 ranks: the experts of ep rank 1 (3 and 4) are never chosen, so ranks 1 and 3 run them
+    on zero rows every step; with expert_sharding = fsdp those ranks must still all-gather and
+    reduce-scatter with their expert-dp peers."""
+    from dynmoe_dist.train.loop import Trainer
+    trainer = Trainer(_config("fsdp", experts, 2, extra=["adaptive.enabled=false"]))
+    for layer in trainer.moe_layers:
+        with torch.no_grad():
+            layer.router.threshold.copy_(torch.tensor([-1.0, -1.0, -1.0, 10.0, 10.0]))
+    records = [trainer.train_step() for _ in range(6)]
+    return [r["loss"] for r in records], [r["rank_load"] for r in records]
+
+
+def test_expert_sharding_survives_ranks_with_no_rows():
+    per_rank = run_simulated(_starved_both, 4, timeout_s=300)
+    (ref_losses, loads), (losses, _) = per_rank[0]
+    assert all(layer[1] == 0 for step in loads for layer in step), "ep rank 1 must receive no rows"
+    _assert_losses(losses, ref_losses, "fsdp experts with starved ranks")
+
+
+def _starved_both():
+    return starved_run("replicate"), starved_run("fsdp")
+
+
+# -- checkpoints across sharding options -------------------------------------------------------------
+def _ckpt_config(out_dir, dense, experts, resume="", steps=STEPS, ep_size=2):
+    return _config(dense, experts, ep_size, extra=[f"output.out_dir='{out_dir}'", f"output.resume='{resume}'",
+                                             "output.checkpoint_every=6", "output.keep_checkpoints=5", f"train.max_steps={steps}"])
+
+
+def run_to_end(out_dir, dense, experts, resume="", ep_size=2):
+    from dynmoe_dist.train.run import run
+    config = _ckpt_config(out_dir, dense, experts, resume, ep_size=ep_size)
+    trainer, _ = _trainer(config)
+    return run(config, trainer=trainer if not resume else None)
+
+
+def _step_losses(out_dir):
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "step"}
+
+
+def test_checkpoints_move_between_replicate_and_fsdp(tmp_path):
+    """replicate (2 ranks) -> resume with both FSDP options (4 ranks) -> resume replicated (1 rank): every
+    leg continues the uninterrupted run's losses, through the adaptive events after the resumes."""
+    first, second, third = tmp_path / "replicate", tmp_path / "fsdp", tmp_path / "back"
+    run_simulated(run_to_end, 2, args=(str(first), "replicate", "replicate"), timeout_s=300)
+    reference = _step_losses(first)
+    from_replicate = str(first / "checkpoints" / "step_000006")
+    run_simulated(run_to_end, 4, args=(str(second), "fsdp", "fsdp", from_replicate), timeout_s=300)
+    from_fsdp = str(second / "checkpoints" / "step_000012")
+    run_to_end(str(third), "replicate", "replicate", from_fsdp, ep_size=1)
+    for leg, first_step in ((_step_losses(second), 7), (_step_losses(third), 13)):
+        assert sorted(leg) == list(range(first_step, STEPS + 1))
+        for step, loss in leg.items():
+            assert abs(loss - reference[step]) <= 1e-9 * abs(reference[step]), step
+
+
+# -- bf16 with FSDP: the planner's gate edits survive the next optimizer step ----------------------------
+def gate_edit_run():
+    from dynmoe_dist.planning.placement import Placement
+    from dynmoe_dist.planning.planner import AddSpec, LayerPlan, Plan
+    config = _config("fsdp", "fsdp", 2, extra=["train.precision='bf16'", "train.lr=0.001", "train.warmup_steps=0"])
+    trainer, adaptive = _trainer(config)
+    trainer.train_step()
+    gate = tuple(float(v) for v in torch.linspace(-1, 1, 16) / torch.linspace(-1, 1, 16).norm())
+    added = AddSpec("random", gate, "random", seed=7)
+    lp0 = LayerPlan(0, (), (0, 1, 2, 3, 4), (added,), Placement.balanced(6, 2), None, 0, 1.0, 1.0)
+    lp1 = LayerPlan(1, (), (0, 1, 2, 3, 4), (), Placement.balanced(5, 2), None, 0, 1.0, 1.0)
+    adaptive.apply(Plan(1, 1, (lp0, lp1)))
+    router = trainer.moe_layers[0].router
+    edited = (router.weight[5].detach().clone(), router.threshold[5].detach().clone())
+    record = trainer.train_step()
+    after = (router.weight[5].detach().clone(), router.threshold[5].detach().clone())
+    return dict(gate=torch.tensor(gate), edited=edited, after=after, dtype=str(router.weight.dtype), lr=record["lr"],
+                loss=record["loss"])
+
+
+def test_gate_edits_survive_the_next_step_under_bf16_and_fsdp():
+    for result in run_simulated(gate_edit_run, 2, timeout_s=300):
+        gate, lr = result["gate"], result["lr"]
+        assert result["dtype"] == "torch.float32"  # routers keep fp32 master weights, outside FSDP
+        torch.testing.assert_close(result["edited"][0], gate.float(), rtol=0, atol=1e-7)
+        assert float(result["edited"][1]) == 0.0
+        # one fresh Adam step moves each entry by at most lr: the edit is there, not reverted
+        assert float((result["after"][0] - gate).abs().max()) <= 1.001 * lr
+        assert abs(float(result["after"][1])) <= 1.001 * lr
+        assert torch.isfinite(torch.tensor(result["loss"]))

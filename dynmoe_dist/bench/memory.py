@@ -1,0 +1,148 @@
+"""`python -m dynmoe_dist.bench memory`: memory per rank and step time, dense weights replicated vs FSDP.
+
+A SmolLM2-shaped causal LM (D = 576, F = 1536, 9 heads, vocabulary 49152 with a tied head; 6 blocks by
+default, 2 of them MoE with 4 experts each; random weights) trains on random tokens on a simulated gloo
+cluster of 2 and 4 ranks, once with ``parallel.dense_sharding = "replicate"`` and once with ``"fsdp"``
+(experts stay expert-parallel either way). Every rank reports, in MiB:
+  parameters / gradients / optimizer_state  bytes this rank holds (a shard's local part under FSDP),
+                                            dense and expert separately;
+  step_peak_rss                             peak resident memory of one step above the resident memory
+                                            before it (activations, gathered FSDP weights, buffers);
+and the median step time. A step's time is the slowest rank's. The dense weights dominate this model, so
+dense parameter + optimizer memory per rank is what FSDP must cut: target <= 1.1/N of the replicated
+figure, at a step-time overhead of at most 1.25x on gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from types import SimpleNamespace
+from typing import Dict, List
+
+import torch
+import torch.nn.functional as F
+
+from ..moe import MoEConfig
+from ..parallel.groups import barrier, build_groups
+from ..parallel.simulate import run_simulated
+from .measure import machine_info, memory_supported, peak_rss_above_baseline_mb
+
+TARGETS = {"dense_state_per_rank_x_world": 1.1, "fsdp_step_time_ratio": 1.25}
+MIB = 2 ** 20
+
+
+def _shape(args) -> SimpleNamespace:
+    moe_layers = [args.num_layers - 2, args.num_layers - 1]
+    return SimpleNamespace(dim=576, num_heads=9, num_layers=args.num_layers, ffn_dim=1536, dropout=0.0,
+                           moe_layers=moe_layers, patch_size=1)
+
+
+def _bytes(tensors) -> float:
+    from ..parallel.fsdp import local
+    return sum(local(t).numel() * t.element_size() for t in tensors) / MIB
+
+
+def _state_tensors(optimizer, params) -> List[torch.Tensor]:
+    return [v for p in params for k, v in optimizer.state.get(p, {}).items() if torch.is_tensor(v) and k != "step"]
+
+
+def rank_case(spec: Dict) -> Dict:
+    """One rank: build, shard, train `steps` steps, report its memory and step times."""
+    from ..models.transformer import CausalLM
+    from ..parallel.expert_parallel import parallelize
+    from ..parallel.fsdp import plan_sharding, shard_dense, shard_experts
+    from ..parallel.grads import GradSync
+    from ..parallel.reshard import dense_named_parameters
+    from ..train.optim import build_optimizer
+    torch.set_num_threads(1)
+    groups = build_groups(0)
+    torch.manual_seed(0)
+    args = SimpleNamespace(**spec)
+    model = CausalLM(_shape(args), MoEConfig(num_experts=2 * groups.world_size, aux_loss_weight=0.01), 49152,
+                     args.seq_len)
+    shards = parallelize(model, groups)
+    parallel = SimpleNamespace(dense_sharding=args.dense, expert_sharding="replicate")
+    sharding = plan_sharding(parallel, groups, bf16=False)
+    shard_experts(shards, sharding)
+    shard_dense(model, shards, sharding)
+    optimizer = build_optimizer(model, SimpleNamespace(lr=1e-4, weight_decay=0.01, betas=(0.9, 0.999)))
+    sync = GradSync(model, groups)
+    tokens = torch.randint(0, 49152, (args.batch_per_rank, args.seq_len), generator=torch.Generator().manual_seed(1))
+
+    def step() -> None:
+        out = model(tokens[:, :-1])
+        loss = F.cross_entropy(out.logits.flatten(0, 1), tokens[:, 1:].flatten()) + out.aux_loss
+        loss.backward()
+        sync.sync(shards)
+        optimizer.step()
+
+    step()  # optimizer state exists from here on
+    dense = [p for _, p in dense_named_parameters(model, shards)]
+    experts = [p for shard in shards for p in shard.layer.experts.parameters()]
+    grads = _bytes([p.grad for p in dense if p.grad is not None]), _bytes([p.grad for p in experts if p.grad is not None])
+    optimizer.zero_grad(set_to_none=True)
+    peak = peak_rss_above_baseline_mb(step) if memory_supported() else None
+    times = []
+    for _ in range(args.steps):
+        optimizer.zero_grad(set_to_none=True)
+        barrier(groups, "bench memory step")
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return {"rank": groups.rank, "dense_parameters_mib": _bytes(dense), "expert_parameters_mib": _bytes(experts),
+            "dense_gradients_mib": grads[0], "expert_gradients_mib": grads[1],
+            "dense_optimizer_state_mib": _bytes(_state_tensors(optimizer, dense)),
+            "expert_optimizer_state_mib": _bytes(_state_tensors(optimizer, experts)),
+            "step_peak_rss_mib": peak, "step_s": times}
+
+
+def run_case(world: int, dense: str, args) -> Dict:
+    spec = {"dense": dense, "num_layers": args.num_layers, "seq_len": args.seq_len,
+            "batch_per_rank": args.batch_per_rank, "steps": args.steps}
+    per_rank = run_simulated(rank_case, world, args=(spec,), timeout_s=args.timeout_s)
+    slowest = [max(steps) for steps in zip(*(r["step_s"] for r in per_rank))]
+    keys = [k for k in per_rank[0] if k.endswith("_mib")]
+    worst = {k: max(r[k] for r in per_rank) if per_rank[0][k] is not None else None for k in keys}
+    return {"world": world, "dense_sharding": dense, "step_s_median": statistics.median(slowest),
+            "per_rank_max": {k: round(v, 2) if v is not None else None for k, v in worst.items()},
+            "dense_state_mib": round(worst["dense_parameters_mib"] + worst["dense_optimizer_state_mib"], 2)}
+
+
+def compare(cases: List[Dict]) -> List[Dict]:
+    """fsdp against replicate at each world size, with the targets."""
+    out = []
+    for world in sorted({c["world"] for c in cases}):
+        rep = next(c for c in cases if c["world"] == world and c["dense_sharding"] == "replicate")
+        fsdp = next(c for c in cases if c["world"] == world and c["dense_sharding"] == "fsdp")
+        state_ratio = fsdp["dense_state_mib"] / rep["dense_state_mib"]
+        time_ratio = fsdp["step_s_median"] / rep["step_s_median"]
+        out.append({"world": world, "dense_state_fsdp_over_replicate": round(state_ratio, 4),
+                    "dense_state_x_world": round(state_ratio * world, 3),
+                    "meets_state_target": state_ratio * world <= TARGETS["dense_state_per_rank_x_world"],
+                    "step_time_fsdp_over_replicate": round(time_ratio, 3),
+                    "meets_time_target": time_ratio <= TARGETS["fsdp_step_time_ratio"]})
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dynmoe_dist.bench memory", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--num-layers", type=int, default=6, help="blocks (SmolLM2 has 30; the last two are MoE)")
+    p.add_argument("--seq-len", type=int, default=65)
+    p.add_argument("--batch-per-rank", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--timeout-s", type=float, default=900)
+    return p
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    if args.num_layers < 2:
+        raise SystemExit(f"--num-layers ({args.num_layers}) must be >= 2: the last two blocks are MoE")
+    cases = [run_case(world, dense, args) for world in args.worlds for dense in ("replicate", "fsdp")]
+    print(json.dumps({"benchmark": "memory", "targets": TARGETS, "cases": cases, "comparison": compare(cases),
+                      "config": vars(args), "machine": machine_info(1)}, indent=1))
