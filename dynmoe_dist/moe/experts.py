@@ -17,7 +17,7 @@ through ``new_expert`` and ``expert_param_specs``, so migration, replication and
 from __future__ import annotations
 
 import functools
-from typing import Iterable, List, Sequence, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.nn as nn
@@ -28,8 +28,8 @@ from ..kernels.grouped_gemm import grouped_mm
 from .config import MoEConfig
 
 # 'gelu_tanh' is GPT-2's gelu_new / HF's gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
-ACTIVATION_FNS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu,
-                  "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+ACTIVATION_FNS: Dict[str, Callable[[Tensor], Tensor]] = {
+    "gelu": F.gelu, "relu": F.relu, "silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
 class FeedForward(nn.Module):
@@ -79,10 +79,11 @@ class GatedFeedForward(nn.Module):
 
 
 Expert = Union[FeedForward, GatedFeedForward]
-EXPERT_CLASSES = {"ffn": FeedForward, "gated": GatedFeedForward}
+EXPERT_CLASSES: Dict[str, Union[Type[FeedForward], Type[GatedFeedForward]]] = {
+    "ffn": FeedForward, "gated": GatedFeedForward}
 
 
-def _cast(t, dtype):
+def _cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     return None if t is None else t.to(dtype)
 
 
@@ -100,7 +101,7 @@ def autocast_rows(rows_RD: Tensor) -> Tensor:
     return rows_RD
 
 
-def expert_param_specs(config: MoEConfig) -> List[tuple]:
+def expert_param_specs(config: MoEConfig) -> List[Tuple[str, torch.Size]]:
     """(name, shape) of one expert's parameters, in parameters() order (built on the meta device)."""
     with torch.device("meta"):
         return [(name, p.shape) for name, p in new_expert(config).named_parameters()]
@@ -166,7 +167,7 @@ class ExpertBank(nn.Module):
     def _grouped(self, rows_RD: Tensor, counts_e: Tensor) -> Tensor:
         offs_e = torch.cumsum(counts_e, 0).to(torch.int32)
         slot_R = torch.repeat_interleave(torch.arange(len(self.experts), device=rows_RD.device), counts_e)
-        act = ACTIVATION_FNS[self.config.activation]
+        act = ACTIVATION_FNS[self.config.activation]  # one config for the whole bank
         hidden_RF = self._project(rows_RD, "w_in", "b_in", offs_e, slot_R)
         if self.config.expert_kind == "gated":
             hidden_RF = act(self._project(rows_RD, "w_gate", "b_gate", offs_e, slot_R)) * hidden_RF
@@ -178,7 +179,7 @@ class ExpertBank(nn.Module):
         """rows @ W_e^T (+ b_e) for every segment, one grouped matmul over the stacked (e, K, N) weights."""
         dtype = rows_RK.dtype
         w_eKN = torch.stack([getattr(e, weight).t() for e in self.experts]).to(dtype)
-        out_RN = grouped_mm(rows_RK, w_eKN, offs_e)
+        out_RN: Tensor = grouped_mm(rows_RK, w_eKN, offs_e)
         if self.config.expert_bias:
             out_RN = out_RN + torch.stack([getattr(e, bias) for e in self.experts]).to(dtype)[slot_R]
         return out_RN

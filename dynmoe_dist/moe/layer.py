@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Protocol, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 import torch.nn as nn
@@ -61,7 +61,7 @@ class LocalMeta:
 class LocalDispatcher:
     """All experts live in this process: permute, and combine with an index-add."""
 
-    def dispatch(self, x_TD: Tensor, routing: Routing):
+    def dispatch(self, x_TD: Tensor, routing: Routing) -> Tuple[Tensor, Tensor, LocalMeta]:
         pairs = routed_pairs(routing)
         rows_RD = gather_rows(x_TD, pairs.token_R)
         return rows_RD, pairs.counts_E, LocalMeta(pairs.token_R, pairs.weight_R, x_TD.shape[0])
@@ -149,7 +149,7 @@ def find_moe_layers(model: nn.Module) -> List[Tuple[str, "MoELayer"]]:
 
 
 class MoELayer(nn.Module):
-    def __init__(self, config: MoEConfig, experts: ExpertBank = None):
+    def __init__(self, config: MoEConfig, experts: Optional[ExpertBank] = None):
         super().__init__()
         self.config = config
         self.router = TopAnyRouter(config) if config.router == "top_any" else SoftmaxRouter(config)

@@ -9,26 +9,26 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
-from typing import Iterable, List, Optional, Tuple
+from typing import Any, Iterable, List, Optional, Tuple
 
 import torch.nn as nn
 
 from .config import MoEConfig
-from .experts import EXPERT_CLASSES, Expert, ExpertBank
+from .experts import EXPERT_CLASSES, Expert, ExpertBank, FeedForward, GatedFeedForward
 from .layer import MoELayer
 
 
 def dense_blocks(model: nn.Module) -> List[Tuple[str, Expert]]:
     """(qualified name, module) of every dense FeedForward / GatedFeedForward that is not already an expert."""
-    found = []
+    found: List[Tuple[str, Expert]] = []
     for name, module in model.named_modules():
-        if isinstance(module, tuple(EXPERT_CLASSES.values())) and ".experts.experts." not in f".{name}":
+        if isinstance(module, (FeedForward, GatedFeedForward)) and ".experts.experts." not in f".{name}":
             found.append((name, module))
     return found
 
 
 def upcycle(model: nn.Module, config: Optional[MoEConfig] = None, *,
-            layers: Optional[Iterable[int]] = None, **overrides) -> nn.Module:
+            layers: Optional[Iterable[int]] = None, **overrides: Any) -> nn.Module:
     """Replace the chosen dense FFNs of ``model`` in place by MoE layers; returns the model.
 
     ``config`` (or keyword ``overrides`` of MoEConfig fields) sets the routing; ``dim``, ``ffn_dim``,

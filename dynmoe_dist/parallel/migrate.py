@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..moe.config import MoEConfig
-from ..moe.experts import FeedForward, expert_param_shapes, new_expert
+from ..moe.experts import Expert, expert_param_shapes, new_expert
 from ..moe.layer import MoELayer
 from ..planning.placement import Placement
 from ..planning.planner import AddSpec, LayerPlan
@@ -63,7 +63,7 @@ def combine_experts(combos: Sequence[Sequence[Tuple[int, float]]], shard: LayerS
     return [[part.reshape(shape).clone() for part, shape in zip(row.split(sizes), shapes)] for row in flat]
 
 
-def expert_with(params: Sequence[Tensor], config: MoEConfig) -> FeedForward:
+def expert_with(params: Sequence[Tensor], config: MoEConfig) -> Expert:
     module = new_expert(config).to(device=params[0].device, dtype=params[0].dtype)
     with torch.no_grad():
         for p, value in zip(module.parameters(), params):
@@ -71,7 +71,7 @@ def expert_with(params: Sequence[Tensor], config: MoEConfig) -> FeedForward:
     return module
 
 
-def random_expert(config: MoEConfig, seed: int, like: Tensor) -> FeedForward:
+def random_expert(config: MoEConfig, seed: int, like: Tensor) -> Expert:
     """A freshly initialised expert, identical on every rank (seeded by the plan)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -112,7 +112,7 @@ def send_expert(module: nn.Module, optimizer: Optimizer, dst: int, groups: Paral
         dist.send(torch.cat(pieces), dst)
 
 
-def recv_expert(config: MoEConfig, like: Tensor, optimizer: Optimizer, src: int, groups: ParallelGroups) -> FeedForward:
+def recv_expert(config: MoEConfig, like: Tensor, optimizer: Optimizer, src: int, groups: ParallelGroups) -> Expert:
     module = new_expert(config).to(device=like.device, dtype=like.dtype)
     params = list(module.parameters())
     header = torch.zeros(2 * len(params), dtype=torch.long, device=like.device)
@@ -204,7 +204,7 @@ def apply_layer_plan(lp: LayerPlan, shard: LayerShard, optimizer: Optimizer, gro
 
 
 def _move_experts(lp: LayerPlan, shard: LayerShard, local: Dict[int, nn.Module], optimizer: Optimizer,
-                  groups: ParallelGroups) -> Dict[int, FeedForward]:
+                  groups: ParallelGroups) -> Dict[int, Expert]:
     received = {}
     like = shard.layer.router.weight  # device and dtype of every expert
     for new_id, src, dst in transfers(lp, shard.placement):
@@ -216,7 +216,7 @@ def _move_experts(lp: LayerPlan, shard: LayerShard, local: Dict[int, nn.Module],
 
 
 def _added_experts(specs: Sequence[AddSpec], combined: List[List[Tensor]], discarded: Optional[List[Tensor]],
-                   config: MoEConfig, like: Tensor) -> List[FeedForward]:
+                   config: MoEConfig, like: Tensor) -> List[Expert]:
     combined = list(combined)
     experts = []
     for spec in specs:
