@@ -310,10 +310,13 @@ def _toml_value(value: Any) -> str:
 def field_docs(cls) -> Dict[str, str]:
     """The docstring written under each dataclass field (parsed from the source)."""
     tree = ast.parse(inspect.getsource(cls))
-    docs, body = {}, tree.body[0].body
+    node0 = tree.body[0]
+    assert isinstance(node0, ast.ClassDef), f"{cls} is not a class"
+    docs: Dict[str, str] = {}
+    body = node0.body
     for node, nxt in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
-                and isinstance(getattr(nxt, "value", None), ast.Constant) and isinstance(nxt.value.value, str):
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
             docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 
