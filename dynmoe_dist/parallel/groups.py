@@ -131,10 +131,9 @@ def elastic_attempt_store(timeout: timedelta) -> Optional[Any]:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
         return None
-    # TCPStore and PrefixStore are public but missing from torch.distributed's __all__.
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),  # type: ignore[attr-defined]
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                            is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"dynmoe/attempt_{attempt}", client)  # type: ignore[attr-defined]
+    return dist.PrefixStore(f"dynmoe/attempt_{attempt}", client)
 
 
 def build_groups(ep_size: int, device: torch.device = torch.device("cpu"),
