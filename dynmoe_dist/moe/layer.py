@@ -9,7 +9,7 @@ reducer for the auxiliary losses) from ``dynmoe_dist.parallel``; the layer's cod
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Protocol, Tuple
+from typing import Callable, List, Optional, Protocol, Tuple
 
 import torch
 import torch.nn as nn
@@ -43,6 +43,8 @@ class LocalMeta:
     token_R: Tensor
     weight_R: Tensor
     num_tokens: int
+    sizes_e: Optional[Tuple[int, ...]] = None
+    """Rows per expert as Python ints (read once in routed_pairs), for the per-expert loop."""
 
 
 class LocalDispatcher:
@@ -51,7 +53,7 @@ class LocalDispatcher:
     def dispatch(self, x_TD: Tensor, routing: Routing):
         pairs = routed_pairs(routing)
         rows_RD = gather_rows(x_TD, pairs.token_R)
-        return rows_RD, pairs.counts_E, LocalMeta(pairs.token_R, pairs.weight_R, x_TD.shape[0])
+        return rows_RD, pairs.counts_E, LocalMeta(pairs.token_R, pairs.weight_R, x_TD.shape[0], pairs.sizes_E)
 
     def combine(self, rows_RD: Tensor, meta: LocalMeta) -> Tensor:
         return combine_rows(rows_RD, meta.token_R, meta.weight_R, meta.num_tokens)
@@ -141,7 +143,8 @@ class MoELayer(nn.Module):
         x_TD = x.reshape(-1, self.config.dim)
         routing = self.router(x_TD, self.training)
         rows_RD, counts_e, meta = self.dispatcher.dispatch(x_TD, routing)
-        rows_RD = self.experts(rows_RD, counts_e)
+        # A dispatcher that has read the expert counts already hands them over (no second host sync).
+        rows_RD = self.experts(rows_RD, counts_e, getattr(meta, "sizes_e", None))
         out_TD = self.dispatcher.combine(rows_RD, meta)
         for observe in self.routing_observers:
             observe(self, x_TD, routing)

@@ -18,7 +18,7 @@ the frozen ``A2AMeta``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -120,6 +120,8 @@ class A2AMeta:
     local_order_Q: Tensor
     """Received row i of the expert-contiguous layout was row local_order_Q[i] of the wire layout."""
     num_tokens: int
+    sizes_e: Optional[Tuple[int, ...]] = None
+    """Rows received per local slot as Python ints (from the split-size read)."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,8 @@ class SlotTables:
                 table[expert, i] = offsets[rank] + slot
         num_rep = torch.tensor([len(r) for r in placement.replicas], dtype=torch.long)
         per_rank = list(placement.slots_per_rank())
-        rank_of_slot = torch.repeat_interleave(torch.arange(placement.ep_size), torch.tensor(per_rank))
+        rank_of_slot = torch.repeat_interleave(torch.arange(placement.ep_size), torch.tensor(per_rank),
+                                               output_size=placement.num_slots)
         return cls(num_rep.to(device), table.to(device), rank_of_slot.to(device), per_rank, placement.num_slots)
 
 
@@ -172,15 +175,19 @@ class AllToAllDispatcher:
         rows_RD = autocast_rows(x_TD).index_select(0, token_R)
         recv_counts_We = self._exchange_counts(counts_S)
         send_W = counts_S.new_zeros(self.groups.ep_size).index_add_(0, t.rank_of_slot_S, counts_S)
-        # NOTE: device-to-host sync (split sizes must be Python ints for all_to_all_single)
-        splits = torch.cat([send_W, recv_counts_We.sum(dim=1)]).tolist()
-        send_splits, recv_splits = splits[: self.groups.ep_size], splits[self.groups.ep_size:]
+        # NOTE: device-to-host sync (split sizes must be Python ints for all_to_all_single); the
+        # received per-slot counts come along, so the expert loop needs no read of its own.
+        W = self.groups.ep_size
+        splits = torch.cat([send_W, recv_counts_We.reshape(-1)]).tolist()
+        e = recv_counts_We.shape[1]
+        send_splits, recv_We = splits[:W], [splits[W + i * e: W + (i + 1) * e] for i in range(W)]
+        recv_splits = [sum(row) for row in recv_We]
         recv_QD = all_to_all(ensure_grad(rows_RD), recv_splits, send_splits, self.groups,
                              f"{self.name} dispatch all_to_all_single")
-        local_order_Q, counts_e = _expert_contiguous_order(recv_counts_We)
+        local_order_Q, counts_e = _expert_contiguous_order(recv_counts_We, sum(recv_splits))
         self._count(rows_RD, send_splits, recv_splits)
         meta = A2AMeta(token_R, pairs.weight_R[order_R], send_splits, recv_splits, local_order_Q,
-                       x_TD.shape[0])
+                       x_TD.shape[0], tuple(sum(column) for column in zip(*recv_We)))
         return recv_QD.index_select(0, local_order_Q), counts_e, meta
 
     def combine(self, rows_QD: Tensor, meta: A2AMeta) -> Tensor:
@@ -207,11 +214,12 @@ class AllToAllDispatcher:
         self.comm.calls += 1
 
 
-def _expert_contiguous_order(recv_counts_We: Tensor):
-    """Rows arrive source-major (then slot); return the stable order that makes them slot-major."""
+def _expert_contiguous_order(recv_counts_We: Tensor, num_received: int):
+    """Rows arrive source-major (then slot); return the stable order that makes them slot-major.
+    ``num_received`` (already read with the split sizes) spares repeat_interleave a host sync."""
     W, e = recv_counts_We.shape
     slot_of_block = torch.arange(e, device=recv_counts_We.device).repeat(W)
-    slot_Q = torch.repeat_interleave(slot_of_block, recv_counts_We.reshape(-1))
+    slot_Q = torch.repeat_interleave(slot_of_block, recv_counts_We.reshape(-1), output_size=num_received)
     order_Q, counts_e = sort_by_slot(slot_Q, e)
     return order_Q, counts_e
 
