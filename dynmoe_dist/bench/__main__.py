@@ -7,6 +7,8 @@ BENCHMARKS = {
     "layer": "dynmoe_dist.bench.layer",
     "ep": "dynmoe_dist.bench.ep",
     "adapt": "dynmoe_dist.bench.adapt",
+    "gpu": "dynmoe_dist.bench.gpu",
+    "scale": "dynmoe_dist.bench.scale",
 }
 
 
