@@ -88,9 +88,11 @@ def _preferred(item: Item, homes: Sequence[Sequence[int]]) -> Optional[int]:
 
 
 def place_sticky(items: List[Item], homes, ep_size: int, cap: Optional[float],
-                 ordered: Optional[List[Item]] = None) -> List[Tuple[Item, int]]:
+                 ordered: Optional[List[Item]] = None, give_up_above: Optional[float] = None):
     """Largest first; an item stays on its current rank unless that would exceed `cap` (None: always).
-    ``ordered``: the items already sorted by _by_load (saves the sort when several packings share it)."""
+    ``ordered``: the items already sorted by _by_load (saves the sort when several packings share it).
+    ``give_up_above``: return None once a rank's rounded load exceeds it (loads only grow, so such a
+    packing's maximum would too: the caller has a better candidate already)."""
     bins, out = Bins(ep_size), []
     for item in ordered if ordered is not None else _by_load(items):
         pref = _preferred(item, homes)
@@ -99,6 +101,8 @@ def place_sticky(items: List[Item], homes, ep_size: int, cap: Optional[float],
         rank = pref if fits else bins.least_loaded(item[0])
         bins.put(rank, item)
         out.append((item, rank))
+        if give_up_above is not None and bins.load[rank] > give_up_above and round(bins.load[rank], 6) > give_up_above:
+            return None
     return out
 
 
@@ -161,14 +165,15 @@ def replica_options(loads: Sequence[float], ep_size: int, factor: float, max_rep
     return options
 
 
-def _assignments(items: List[Item], homes, ep_size: int, rebalance: bool):
-    """The candidate packings of one replica option, lazily (the caller may stop early)."""
+def _assignments(items: List[Item], homes, ep_size: int, rebalance: bool, limit=lambda: None):
+    """The candidate packings of one replica option, lazily; ``limit()`` is the best rounded maximum
+    load so far, above which a sticky packing is abandoned (yielded as None)."""
     ordered = _by_load(items)
-    yield place_sticky(items, homes, ep_size, cap=None, ordered=ordered)
+    yield place_sticky(items, homes, ep_size, cap=None, ordered=ordered, give_up_above=limit())
     if not rebalance:
         return
     lpt = place_lpt(items, homes, ep_size, ordered=ordered)
-    yield place_sticky(items, homes, ep_size, cap=max_load(lpt, ep_size), ordered=ordered)
+    yield place_sticky(items, homes, ep_size, cap=max_load(lpt, ep_size), ordered=ordered, give_up_above=limit())
     yield lpt
 
 
@@ -177,10 +182,15 @@ def load_lower_bound(loads: Sequence[float], replicas: Sequence[int], ep_size: i
     the largest share (exact: a rank's float sum never falls below any of its terms), the sum of the
     ep-th and (ep+1)-th largest shares, which some rank holds together (pigeonhole; exact for the same
     reason), and the mean, shrunk by a relative 1e-9 because it is summed in another order."""
-    shares = sorted((loads[e] / n for e, n in enumerate(replicas) for _ in range(n)), reverse=True)
-    bound = max(sum(loads) / ep_size * (1 - 1e-9), shares[0] if shares else 0.0)
-    if len(shares) > ep_size:
-        bound = max(bound, shares[ep_size - 1] + shares[ep_size])
+    by_share = sorted(((loads[e] / n, n) for e, n in enumerate(replicas)), reverse=True)
+    bound = max(sum(loads) / ep_size * (1 - 1e-9), by_share[0][0] if by_share else 0.0)
+    # The ep-th and (ep+1)-th largest item shares, walking the experts' share runs (n items each).
+    wanted, found, seen = (ep_size - 1, ep_size), [], 0
+    for share, n in by_share:
+        found += [share for index in wanted if seen <= index < seen + n]
+        seen += n
+        if len(found) == 2:
+            return max(bound, found[0] + found[1])
     return bound
 
 
@@ -200,7 +210,10 @@ def pack_experts(loads: Sequence[float], homes: Sequence[Sequence[int]], ep_size
     for replicas in replica_options(loads, ep_size, replicate_factor, max_replicas):
         if _cannot_win(load_lower_bound(loads, replicas, ep_size), sum(replicas), best_key):
             continue
-        for assigned in _assignments(make_items(loads, replicas), homes, ep_size, rebalance):
+        limit = lambda: None if best_key is None else best_key[0]  # noqa: E731
+        for assigned in _assignments(make_items(loads, replicas), homes, ep_size, rebalance, limit):
+            if assigned is None:
+                continue
             key = (round(max_load(assigned, ep_size), 6), sum(replicas), count_moves(assigned, homes, home_sets))
             if best_key is None or key < best_key:
                 best, best_key = assigned, key
