@@ -38,10 +38,14 @@ class RoutedPairs:
     """The same counts as Python ints (read once): segment sizes for the per-expert loop."""
 
 
-def routed_pairs(routing: Routing) -> RoutedPairs:
-    """All selected (token, expert) pairs, grouped by expert, tokens ascending within an expert."""
-    counts_E = routing.mask.sum(dim=0)
-    sizes_E = tuple(counts_E.tolist())  # NOTE: device-to-host sync (the routed-row count, once per layer)
+def routed_pairs(routing: Routing, counts_E: Tensor = None, sizes_E: Tuple[int, ...] = None) -> RoutedPairs:
+    """All selected (token, expert) pairs, grouped by expert, tokens ascending within an expert.
+    A caller that has read the counts already (with other sizes, in one read) passes them in."""
+    if sizes_E is None:
+        counts_E = routing.mask.sum(dim=0)
+        sizes_E = tuple(counts_E.tolist())  # NOTE: device-to-host sync (the routed-row count, once per layer)
+    elif counts_E is None:
+        raise ValueError("routed_pairs: sizes_E given without counts_E")
     # nonzero_static with the size just read: plain nonzero would read the count back a second time.
     index_R2 = torch.nonzero_static(routing.mask.t(), size=sum(sizes_E))
     expert_R, token_R = index_R2[:, 0], index_R2[:, 1]
@@ -104,6 +108,16 @@ def replica_index(counts_E: Tensor, expert_R: Tensor, num_replicas_E: Tensor) ->
     position_R = torch.arange(expert_R.numel(), device=expert_R.device) - starts_E[expert_R]
     count_R = counts_E[expert_R].clamp(min=1)
     return torch.div(position_R * num_replicas_E[expert_R], count_R, rounding_mode="floor")
+
+
+def replica_row_counts(counts_E: Tensor, num_replicas_E: Tensor, max_replicas: int) -> Tensor:
+    """(E, max_replicas) rows that replica_index gives each replica, from the counts alone (on the
+    device, no per-row data): replica r of expert e takes the rows j with floor(j n / c) = r, i.e.
+    j in [ceil(r c / n), ceil((r + 1) c / n)); 0 for r >= n."""
+    r_1M = torch.arange(max_replicas, device=counts_E.device).unsqueeze(0)
+    c_E1, n_E1 = counts_E.unsqueeze(-1), num_replicas_E.unsqueeze(-1)
+    ceil = lambda a: torch.div(a + n_E1 - 1, n_E1, rounding_mode="floor")  # noqa: E731
+    return (ceil((r_1M + 1) * c_E1) - ceil(r_1M * c_E1)) * (r_1M < n_E1)
 
 
 def sort_by_slot(slot_R: Tensor, num_slots: int):

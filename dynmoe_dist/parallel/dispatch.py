@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..moe.experts import autocast_rows
-from ..moe.permute import combine_rows, inverse_permutation, replica_index, routed_pairs, sort_by_slot
+from ..moe.permute import (combine_rows, inverse_permutation, replica_index, replica_row_counts, routed_pairs,
+                           sort_by_slot)
 from ..moe.routing import Routing
 from ..planning.placement import Placement
 from .groups import ParallelGroups, named
@@ -167,21 +168,25 @@ class AllToAllDispatcher:
 
     def dispatch(self, x_TD: Tensor, routing: Routing):
         t = self.tables
-        pairs = routed_pairs(routing)
-        replica_R = replica_index(pairs.counts_E, pairs.expert_R, t.num_replicas_E)
-        slot_R = t.slot_ER[pairs.expert_R, replica_R]
-        order_R, counts_S = sort_by_slot(slot_R, t.num_slots)
-        token_R = pairs.token_R[order_R]
-        rows_RD = autocast_rows(x_TD).index_select(0, token_R)
+        # Per-slot counts follow from the expert counts alone, so the count exchange runs before any
+        # host read, and one read brings every size: expert counts, send and receive splits.
+        counts_E = routing.mask.sum(dim=0)
+        counts_S = self._slot_counts(counts_E)
         recv_counts_We = self._exchange_counts(counts_S)
         send_W = counts_S.new_zeros(self.groups.ep_size).index_add_(0, t.rank_of_slot_S, counts_S)
-        # NOTE: device-to-host sync (split sizes must be Python ints for all_to_all_single); the
-        # received per-slot counts come along, so the expert loop needs no read of its own.
-        W = self.groups.ep_size
-        splits = torch.cat([send_W, recv_counts_We.reshape(-1)]).tolist()
-        e = recv_counts_We.shape[1]
-        send_splits, recv_We = splits[:W], [splits[W + i * e: W + (i + 1) * e] for i in range(W)]
+        # NOTE: device-to-host sync (split sizes must be Python ints for all_to_all_single): the one
+        # read of this layer forward; routed_pairs and the expert loop reuse it.
+        W, E, e = self.groups.ep_size, counts_E.shape[0], recv_counts_We.shape[1]
+        sizes = torch.cat([counts_E, send_W, recv_counts_We.reshape(-1)]).tolist()
+        send_splits = sizes[E: E + W]
+        recv_We = [sizes[E + W + i * e: E + W + (i + 1) * e] for i in range(W)]
         recv_splits = [sum(row) for row in recv_We]
+        pairs = routed_pairs(routing, counts_E, tuple(sizes[:E]))
+        replica_R = replica_index(pairs.counts_E, pairs.expert_R, t.num_replicas_E)
+        slot_R = t.slot_ER[pairs.expert_R, replica_R]
+        order_R, _ = sort_by_slot(slot_R, t.num_slots)
+        token_R = pairs.token_R[order_R]
+        rows_RD = autocast_rows(x_TD).index_select(0, token_R)
         recv_QD = all_to_all(ensure_grad(rows_RD), recv_splits, send_splits, self.groups,
                              f"{self.name} dispatch all_to_all_single")
         local_order_Q, counts_e = _expert_contiguous_order(recv_counts_We, sum(recv_splits))
@@ -195,6 +200,14 @@ class AllToAllDispatcher:
         back_RD = all_to_all(ensure_grad(wire_QD), meta.send_splits, meta.recv_splits, self.groups,
                              f"{self.name} combine all_to_all_single")
         return combine_rows(back_RD, meta.token_R, meta.weight_R, meta.num_tokens)
+
+    def _slot_counts(self, counts_E: Tensor) -> Tensor:
+        """Rows this rank sends to each global slot (what sort_by_slot would count), from the counts."""
+        t = self.tables
+        per_replica_ER = replica_row_counts(counts_E, t.num_replicas_E, t.slot_ER.shape[1])
+        # Padding entries (slot -1) carry 0 rows: add them to slot 0 instead of masking (no host read).
+        return counts_E.new_zeros(t.num_slots).index_add_(0, t.slot_ER.clamp(min=0).reshape(-1),
+                                                          per_replica_ER.reshape(-1))
 
     def _exchange_counts(self, counts_S: Tensor) -> Tensor:
         """Send each rank the row counts of its own slots; returns (W, e) counts received."""
