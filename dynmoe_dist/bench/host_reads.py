@@ -27,12 +27,14 @@ TENSOR_METHODS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__", "
 
 
 def _source_roots() -> Tuple[str, ...]:
-    roots = {str(Path(p).resolve()) for p in dynmoe_dist.__path__}
+    """Folders of dynmoe_dist, dynmoe_dist.kernels and dynmoe_dist.cluster (each ends with a separator,
+    so a sibling folder such as tests/ never matches)."""
+    roots = {Path(dynmoe_dist.__file__).resolve().parent}
     for sub in ("kernels", "cluster"):
         module = sys.modules.get(f"dynmoe_dist.{sub}")
-        if module is not None:
-            roots.update(str(Path(p).resolve()) for p in module.__path__)
-    return tuple(roots)
+        if module is not None and getattr(module, "__file__", None):
+            roots.add(Path(module.__file__).resolve().parent)
+    return tuple(str(root) + "/" for root in roots)
 
 
 def _is_bool_index(index) -> bool:
