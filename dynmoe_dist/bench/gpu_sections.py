@@ -14,7 +14,7 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Dict
+from typing import Dict, List
 
 import torch
 
@@ -85,15 +85,35 @@ def hf_smollm2(context: dict) -> Dict:
     return result
 
 
-def torch_requirements() -> set:
-    """Import names of torch's own dependencies (sympy, networkx, ...), which torch imports lazily."""
-    names = set()
-    for requirement in importlib.metadata.requires("torch") or []:
+def _requirement_names(distribution: str) -> List[str]:
+    """Distribution names a distribution requires (extras left out); [] if it is not installed."""
+    try:
+        requirements = importlib.metadata.requires(distribution) or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    names = []
+    for requirement in requirements:
+        if "extra ==" in requirement.replace("extra==", "extra =="):
+            continue
         name = requirement.split(";")[0].split("[")[0].strip()
         for cut in "<>=!~ (":
             name = name.split(cut)[0]
-        names.add(name.replace("-", "_").lower())
-    return names | {"mpmath"}  # sympy's own dependency
+        names.append(name)
+    return names
+
+
+def torch_requirements() -> set:
+    """Import names of what torch and triton pull in (sympy, mpmath, networkx, jinja2, markupsafe, the
+    nvidia-* CUDA libraries, ...), transitively: torch imports some of them lazily."""
+    seen, todo = set(), ["torch", "triton"]
+    while todo:
+        name = todo.pop().replace("_", "-").lower()
+        if name not in seen:
+            seen.add(name)
+            todo += _requirement_names(name)
+    names = {n.replace("-", "_") for n in seen}
+    # CUDA libraries ship as nvidia-<lib>-cu12 distributions inside one "nvidia" namespace package.
+    return names | ({"nvidia"} if any(n.startswith("nvidia") for n in names) else set())
 
 
 def import_set(context: dict) -> Dict:
