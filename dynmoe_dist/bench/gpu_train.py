@@ -96,7 +96,7 @@ def trainer_runs(context: dict) -> Dict:
                      f"({r['adaptive_events']} events, resumed to step {r['resumed_final_step']})" for r in runs)
     text += "".join(f"; {k} skipped: {v}" for k, v in skipped.items())
     if len(worlds) == 1:
-        text += "; 2-process runs skipped (1 GPU)"
+        text += "; 2-process runs skipped (fewer than 2 GPUs)"
     return {"passed": all(r["passed"] for r in runs), "runs": runs, "skipped": skipped, "summary": text}
 
 
