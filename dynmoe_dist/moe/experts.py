@@ -145,19 +145,22 @@ class ExpertBank(nn.Module):
     def __len__(self) -> int:
         return len(self.experts)
 
-    def forward(self, rows_RD: Tensor, counts_e: Tensor) -> Tensor:
+    def forward(self, rows_RD: Tensor, counts_e: Tensor, sizes_e: Optional[Sequence[int]] = None) -> Tensor:
+        """``sizes_e``: the same counts as Python ints when the dispatcher has already read them
+        (then the per-expert loop needs no host sync of its own)."""
         rows_RD = autocast_rows(rows_RD)
         if self.run_every_expert:
-            return self._loop(rows_RD, counts_e)
+            return self._loop(rows_RD, counts_e, sizes_e)
         if len(self.experts) == 0 or rows_RD.shape[0] == 0:
             return 0.0 * rows_RD  # zeros that stay in the graph: the backward exchange must still run
         if use_grouped_mm(self.config.expert_compute, rows_RD):
             return self._grouped(rows_RD, counts_e)
-        return self._loop(rows_RD, counts_e)
+        return self._loop(rows_RD, counts_e, sizes_e)
 
-    def _loop(self, rows_RD: Tensor, counts_e: Tensor) -> Tensor:
-        # NOTE: device-to-host sync (segment sizes)
-        segments = torch.split(rows_RD, counts_e.tolist())
+    def _loop(self, rows_RD: Tensor, counts_e: Tensor, sizes_e: Optional[Sequence[int]] = None) -> Tensor:
+        # NOTE: device-to-host sync (segment sizes) unless the dispatcher passed them
+        sizes = list(sizes_e) if sizes_e is not None else counts_e.tolist()
+        segments = torch.split(rows_RD, sizes)
         outs = [expert(seg) for expert, seg in zip(self.experts, segments)
                 if seg.shape[0] > 0 or self.run_every_expert]
         if not outs:
@@ -166,7 +169,8 @@ class ExpertBank(nn.Module):
 
     def _grouped(self, rows_RD: Tensor, counts_e: Tensor) -> Tensor:
         offs_e = torch.cumsum(counts_e, 0).to(torch.int32)
-        slot_R = torch.repeat_interleave(torch.arange(len(self.experts), device=rows_RD.device), counts_e)
+        slot_R = torch.repeat_interleave(torch.arange(len(self.experts), device=rows_RD.device), counts_e,
+                                         output_size=rows_RD.shape[0])  # the size is known: no sync
         act = ACTIVATION_FNS[self.config.activation]  # one config for the whole bank
         hidden_RF = self._project(rows_RD, "w_in", "b_in", offs_e, slot_R)
         if self.config.expert_kind == "gated":
@@ -195,6 +199,6 @@ class ExpertBank(nn.Module):
 
 def reference_forward(experts: Sequence[Expert], rows_RD: Tensor, counts_e: Tensor) -> Tensor:
     """Plain per-row loop: row r goes through the expert whose segment holds it. Tests only."""
-    slot_R = torch.repeat_interleave(torch.arange(len(experts)), counts_e.cpu())
+    slot_R = torch.repeat_interleave(torch.arange(len(experts)), counts_e.cpu())  # NOTE: device-to-host sync
     outs = [experts[int(s)](rows_RD[r : r + 1]) for r, s in enumerate(slot_R)]
     return torch.cat(outs) if outs else rows_RD.new_zeros(rows_RD.shape)

@@ -56,6 +56,8 @@ class LocalMeta:
     token_R: Tensor
     weight_R: Tensor
     num_tokens: int
+    sizes_e: Optional[Tuple[int, ...]] = None
+    """Rows per expert as Python ints (read once in routed_pairs), for the per-expert loop."""
 
 
 class LocalDispatcher:
@@ -64,7 +66,7 @@ class LocalDispatcher:
     def dispatch(self, x_TD: Tensor, routing: Routing) -> Tuple[Tensor, Tensor, LocalMeta]:
         pairs = routed_pairs(routing)
         rows_RD = gather_rows(x_TD, pairs.token_R)
-        return rows_RD, pairs.counts_E, LocalMeta(pairs.token_R, pairs.weight_R, x_TD.shape[0])
+        return rows_RD, pairs.counts_E, LocalMeta(pairs.token_R, pairs.weight_R, x_TD.shape[0], pairs.sizes_E)
 
     def combine(self, rows_RD: Tensor, meta: LocalMeta) -> Tensor:
         return combine_rows(rows_RD, meta.token_R, meta.weight_R, meta.num_tokens)
@@ -169,7 +171,8 @@ class MoELayer(nn.Module):
         x_TD = x.reshape(-1, self.config.dim)
         routing = self.router(x_TD, self.training)
         rows_RD, counts_e, meta = self.dispatcher.dispatch(x_TD, routing)
-        rows_RD = self.experts(rows_RD, counts_e)
+        # A dispatcher that has read the expert counts already hands them over (no second host sync).
+        rows_RD = self.experts(rows_RD, counts_e, getattr(meta, "sizes_e", None))
         out_TD = self.dispatcher.combine(rows_RD, meta)
         if not is_recomputing():
             for observe in self.routing_observers:
