@@ -13,7 +13,7 @@ from typing import Dict, List, Tuple
 import torch
 from torch import Tensor
 
-from . import permute_reference as reference
+from dynmoe_dist.kernels import permute_reference as reference
 
 # (name, T, D, token of each row): expert-major order, as routed_pairs produces it.
 CASES: Tuple[Tuple[str, int, int, Tuple[int, ...]], ...] = (

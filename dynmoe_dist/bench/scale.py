@@ -34,6 +34,8 @@ import torch
 
 from dynmoe_dist.bench import netmodel
 from dynmoe_dist.planning.placement import Placement
+from dynmoe_dist.config import AdaptiveConfig
+from dynmoe_dist.moe.config import MoEConfig
 from dynmoe_dist.planning.planner import PlannerConfig, plan_layer
 from dynmoe_dist.planning.stats import WindowStats
 
@@ -135,9 +137,10 @@ def run_case(ranks: int, shares: Sequence[float], profile: str, mapping: str, ne
     ep = ep_size_for(ranks, num_experts, mapping)
     placement = Placement.default(num_experts, ep)
     stats = window_stats(shares, TOKENS_PER_RANK * MEAN_K * ep, num_experts)
-    cfg = PlannerConfig(min_experts=1, max_experts=num_experts, replicate_factor=replicate_factor)
+    moe = MoEConfig(num_experts=num_experts, max_experts=num_experts)
+    cfg = PlannerConfig(moe, AdaptiveConfig(replicate_factor=replicate_factor))
     planned, seconds, cpu_seconds = timed_plan(stats, placement, cfg, repeats)
-    no_rep, _, _ = timed_plan(stats, placement, PlannerConfig(1, num_experts, max_replicas=1), 1)
+    no_rep, _, _ = timed_plan(stats, placement, PlannerConfig(moe, AdaptiveConfig(max_replicas=1)), 1)
     return {"ranks": ranks, "experts": num_experts, "profile": profile, "top_share": round(max(shares), 4),
             "ep_size": ep, "dp_replicas": ranks // ep, "replicate_factor": replicate_factor,
             "plan_s": round(seconds, 4), "plan_cpu_s": round(cpu_seconds, 4),
