@@ -118,7 +118,7 @@ def recv_expert(config: MoEConfig, like: Tensor, optimizer: Optimizer, src: int,
     header = torch.zeros(2 * len(params), dtype=torch.long, device=like.device)
     with named(f"expert receive from rank {src}", groups):
         dist.recv(header, src)
-        flags = header.tolist()
+        flags = header.tolist()  # NOTE: device-to-host sync (the payload size), per moved expert at an event
         payload = torch.empty(_payload_bytes(params, flags), dtype=torch.uint8, device=like.device)
         dist.recv(payload, src)
     _unpack(payload, params, flags, optimizer)
@@ -153,7 +153,7 @@ def _unpack(payload: Tensor, params: Sequence[Tensor], flags: List[int], optimiz
             p.copy_(reader.take(p.dtype, p.shape))
             if not has_state:
                 continue
-            step = float(reader.take(torch.float64, ()))
+            step = float(reader.take(torch.float64, ()))  # NOTE: device-to-host sync (per moved expert)
             state = {"step": torch.tensor(step, dtype=_scalar_dtype())}
             for i, key in enumerate(STATE_KEYS):
                 if mask >> i & 1:

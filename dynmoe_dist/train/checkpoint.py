@@ -110,6 +110,7 @@ class CheckpointManager:
         return None if flat is None else sum_over_ranks(flat, self.trainer.groups,
                                                          "checkpoint window statistics all_reduce")
 
+    # NOTE: device-to-host sync: checkpoints copy every tensor to the host (at checkpoint steps only).
     def _dense_payload(self, optimizer_dense: Dict) -> Dict:
         t = self.trainer
         return {"params": {n: full(p.detach()).cpu().clone() for n, p in dense_named_parameters(t.model, t.shards)},

@@ -185,7 +185,7 @@ class Trainer:
             with self.autocast():
                 out = self.model(**batch.inputs)
             totals += torch.stack(self.task.loss_terms(out.logits, batch.targets)).double()
-        summed = self._sum_over_ranks(totals.cpu(), "eval all_reduce")
+        summed = self._sum_over_ranks(totals.cpu(), "eval all_reduce")  # NOTE: device-to-host sync (once)
         self.model.train()
         items = self.task.count_items("test", torch.arange(size))
         return {"test_loss": float(summed[0]) / items, "test_accuracy": float(summed[1]) / size}

@@ -70,7 +70,7 @@ def set_lr(optimizer: torch.optim.Optimizer, step: int, train_config, total_step
 
 def _cpu_state(state: Dict) -> Dict:
     # A sharded (FSDP) moment is gathered whole: checkpoints hold logical tensors. Collective: every rank
-    # builds its state dict, in the same order.
+    # builds its state dict, in the same order. NOTE: device-to-host sync (checkpoint steps only).
     return {k: full(v.detach()).cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()}
 
 

@@ -59,7 +59,8 @@ def _check_layer_lists(record: Dict[str, Any]) -> None:
 
 
 def _to_json(value: Any) -> Any:
-    """json.dumps fallback: the trainer may hand over numpy or torch scalars and arrays."""
+    """json.dumps fallback: the trainer may hand over numpy or torch scalars and arrays.
+    NOTE: device-to-host sync for a device tensor; the trainer hands over host values (read once per step)."""
     if hasattr(value, "tolist"):
         return value.tolist()
     if hasattr(value, "item"):
