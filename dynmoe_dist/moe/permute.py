@@ -18,7 +18,7 @@ Gather and combine run fused Triton kernels on CUDA when available (dynmoe_dist.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -38,7 +38,8 @@ class RoutedPairs:
     """The same counts as Python ints (read once): segment sizes for the per-expert loop."""
 
 
-def routed_pairs(routing: Routing, counts_E: Tensor = None, sizes_E: Tuple[int, ...] = None) -> RoutedPairs:
+def routed_pairs(routing: Routing, counts_E: Optional[Tensor] = None,
+                 sizes_E: Optional[Tuple[int, ...]] = None) -> RoutedPairs:
     """All selected (token, expert) pairs, grouped by expert, tokens ascending within an expert.
     A caller that has read the counts already (with other sizes, in one read) passes them in."""
     if sizes_E is None:
@@ -57,7 +58,8 @@ def gather_rows(x_TD: Tensor, token_R: Tensor) -> Tensor:
     """rows_RD[r] = x_TD[token_R[r]] (the gradient is scattered back with an index-add)."""
     kernels = kernel_select.permute_kernels(x_TD)
     if kernels is not None:
-        return kernels.gather_rows(x_TD, token_R)
+        gathered: Tensor = kernels.gather_rows(x_TD, token_R)
+        return gathered
     return x_TD.index_select(0, token_R)
 
 
@@ -65,8 +67,10 @@ def combine_rows(rows_RD: Tensor, token_R: Tensor, weight_R: Tensor, num_tokens:
     """out_TD[t] = sum over rows r of token t of weight_R[r] * rows_RD[r]; tokens with no row get 0."""
     kernels = kernel_select.permute_kernels(rows_RD)
     if kernels is not None:
-        return kernels.combine_rows(rows_RD, token_R, weight_R, num_tokens)
-    return _WeightedIndexAdd.apply(rows_RD, token_R, weight_R, num_tokens)
+        combined: Tensor = kernels.combine_rows(rows_RD, token_R, weight_R, num_tokens)
+        return combined
+    out: Tensor = _WeightedIndexAdd.apply(rows_RD, token_R, weight_R, num_tokens)  # type: ignore[no-untyped-call]
+    return out
 
 
 class _WeightedIndexAdd(torch.autograd.Function):
@@ -77,14 +81,14 @@ class _WeightedIndexAdd(torch.autograd.Function):
     the moment the layer's memory peaks, and two fewer passes over (R, D)."""
 
     @staticmethod
-    def forward(ctx, rows_RD: Tensor, token_R: Tensor, weight_R: Tensor, num_tokens: int) -> Tensor:
+    def forward(ctx: Any, rows_RD: Tensor, token_R: Tensor, weight_R: Tensor, num_tokens: int) -> Tensor:
         ctx.save_for_backward(rows_RD, token_R, weight_R)
         weighted_RD = rows_RD * weight_R.to(rows_RD.dtype).unsqueeze(-1)
         return rows_RD.new_zeros(num_tokens, rows_RD.shape[-1]).index_add_(0, token_R, weighted_RD)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_TD: Tensor):
+    def backward(ctx: Any, grad_TD: Tensor) -> Tuple[Optional[Tensor], ...]:
         rows_RD, token_R, weight_R = ctx.saved_tensors
         grad_rows_RD = grad_TD.index_select(0, token_R)
         grad_weight_R = None
@@ -116,11 +120,13 @@ def replica_row_counts(counts_E: Tensor, num_replicas_E: Tensor, max_replicas: i
     j in [ceil(r c / n), ceil((r + 1) c / n)); 0 for r >= n."""
     r_1M = torch.arange(max_replicas, device=counts_E.device).unsqueeze(0)
     c_E1, n_E1 = counts_E.unsqueeze(-1), num_replicas_E.unsqueeze(-1)
-    ceil = lambda a: torch.div(a + n_E1 - 1, n_E1, rounding_mode="floor")  # noqa: E731
+    def ceil(a: Tensor) -> Tensor:
+        return torch.div(a + n_E1 - 1, n_E1, rounding_mode="floor")
+
     return (ceil((r_1M + 1) * c_E1) - ceil(r_1M * c_E1)) * (r_1M < n_E1)
 
 
-def sort_by_slot(slot_R: Tensor, num_slots: int):
+def sort_by_slot(slot_R: Tensor, num_slots: int) -> Tuple[Tensor, Tensor]:
     """Stable argsort of rows by destination slot, plus rows per slot.
 
     Returns (order_R, counts_S): rows_sorted = rows[order_R]; stability keeps each slot's rows in

@@ -18,7 +18,7 @@ the frozen ``A2AMeta``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ from .groups import ParallelGroups, named
 from .shard import SlotTables
 
 
-def exchange_rows(out_QD: Tensor, x_RD: Tensor, out_splits: List[int], in_splits: List[int], group) -> Tensor:
+def exchange_rows(out_QD: Tensor, x_RD: Tensor, out_splits: List[int], in_splits: List[int], group: Any) -> Tensor:
     """The bare variable-size exchange (no autograd, no bookkeeping); benchmarks time it alone."""
     dist.all_to_all_single(out_QD, x_RD.contiguous(), out_splits, in_splits, group=group)
     return out_QD
@@ -42,7 +42,8 @@ class _AllToAll(torch.autograd.Function):
     """all_to_all_single with explicit split sizes; backward is the same exchange reversed."""
 
     @staticmethod
-    def forward(ctx, x_RD: Tensor, out_splits: List[int], in_splits: List[int], group, what: str, groups):
+    def forward(ctx: Any, x_RD: Tensor, out_splits: List[int], in_splits: List[int], group: Any, what: str,
+                groups: ParallelGroups) -> Tensor:
         ctx.splits, ctx.group, ctx.what, ctx.groups = (out_splits, in_splits), group, what, groups
         out_QD = x_RD.new_empty((sum(out_splits),) + tuple(x_RD.shape[1:]))
         with named(what, groups):
@@ -50,7 +51,7 @@ class _AllToAll(torch.autograd.Function):
         return out_QD
 
     @staticmethod
-    def backward(ctx, grad_QD: Tensor):
+    def backward(ctx: Any, grad_QD: Tensor) -> Tuple[Optional[Tensor], ...]:
         out_splits, in_splits = ctx.splits
         grad_RD = grad_QD.new_empty((sum(in_splits),) + tuple(grad_QD.shape[1:]))
         with named(f"{ctx.what} (backward)", ctx.groups):
@@ -58,15 +59,16 @@ class _AllToAll(torch.autograd.Function):
         return grad_RD, None, None, None, None, None
 
 
-def all_to_all(x: Tensor, out_splits: List[int], in_splits: List[int], groups: ParallelGroups, what: str):
-    return _AllToAll.apply(x, out_splits, in_splits, groups.ep_group, what, groups)
+def all_to_all(x: Tensor, out_splits: List[int], in_splits: List[int], groups: ParallelGroups, what: str) -> Tensor:
+    out: Tensor = _AllToAll.apply(x, out_splits, in_splits, groups.ep_group, what, groups)  # type: ignore[no-untyped-call]
+    return out
 
 
 class _AllReduceSum(torch.autograd.Function):
     """Sum over a group. Backward sums the gradients too: every rank's output depends on every input."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group, what: str, groups):
+    def forward(ctx: Any, x: Tensor, group: Any, what: str, groups: ParallelGroups) -> Tensor:
         ctx.group, ctx.what, ctx.groups = group, what, groups
         out = x.clone()
         with named(what, groups):
@@ -74,7 +76,7 @@ class _AllReduceSum(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
         grad = grad.clone()
         with named(f"{ctx.what} (backward)", ctx.groups):
             dist.all_reduce(grad, group=ctx.group)
@@ -93,7 +95,9 @@ class AllReduceReducer:
         self.loss_scale = 1.0 / groups.world_size
 
     def sum(self, t: Tensor) -> Tensor:
-        return _AllReduceSum.apply(t, None, "moe aux-loss statistics all_reduce", self.groups)
+        out: Tensor = _AllReduceSum.apply(t, None, "moe aux-loss statistics all_reduce",  # type: ignore[no-untyped-call]
+                                          self.groups)
+        return out
 
 
 @dataclass
@@ -140,7 +144,7 @@ class AllToAllDispatcher:
             raise ValueError(f"placement ep_size ({tables.ep_size}) != group ep_size ({self.groups.ep_size})")
         self.tables = tables
 
-    def dispatch(self, x_TD: Tensor, routing: Routing):
+    def dispatch(self, x_TD: Tensor, routing: Routing) -> Tuple[Tensor, Tensor, A2AMeta]:
         t = self.tables
         # Per-slot counts follow from the expert counts alone, so the count exchange runs before any
         # host read, and one read brings every size: expert counts, send and receive splits.
@@ -201,7 +205,7 @@ class AllToAllDispatcher:
         self.comm.calls += 1
 
 
-def _expert_contiguous_order(recv_counts_We: Tensor, num_received: int):
+def _expert_contiguous_order(recv_counts_We: Tensor, num_received: int) -> Tuple[Tensor, Tensor]:
     """Rows arrive source-major (then slot); return the stable order that makes them slot-major.
     ``num_received`` (already read with the split sizes) spares repeat_interleave a host sync."""
     W, e = recv_counts_We.shape

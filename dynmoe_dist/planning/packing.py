@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from .placement import Placement
 
 Item = Tuple[int, int, float]  # (expert, share index, load)
+Assigned = List[Tuple[Item, int]]  # (item, rank) of a packing
+Homes = Sequence[Sequence[int]]  # homes[e]: ranks holding expert e now
+Key = Tuple[float, int, int]  # (rounded max load, replicas, moves): lower wins
 EPS = 1e-9
 
 
@@ -48,7 +51,7 @@ class Bins:
     def __init__(self, ep_size: int):
         self.load = [0.0] * ep_size
         self.count = [0] * ep_size
-        self.experts = [set() for _ in range(ep_size)]
+        self.experts: List[Set[int]] = [set() for _ in range(ep_size)]
         self._heap = [(0.0, 0, r) for r in range(ep_size)]  # sorted, hence a heap
 
     def allowed(self, expert: int) -> List[int]:
@@ -87,8 +90,8 @@ def _preferred(item: Item, homes: Sequence[Sequence[int]]) -> Optional[int]:
     return homes[expert][share] if share < len(homes[expert]) else None
 
 
-def place_sticky(items: List[Item], homes, ep_size: int, cap: Optional[float],
-                 ordered: Optional[List[Item]] = None, give_up_above: Optional[float] = None):
+def place_sticky(items: List[Item], homes: Homes, ep_size: int, cap: Optional[float],
+                 ordered: Optional[List[Item]] = None, give_up_above: Optional[float] = None) -> Optional[Assigned]:
     """Largest first; an item stays on its current rank unless that would exceed `cap` (None: always).
     ``ordered``: the items already sorted by _by_load (saves the sort when several packings share it).
     ``give_up_above``: return None once a rank's rounded load exceeds it (loads only grow, so such a
@@ -98,7 +101,7 @@ def place_sticky(items: List[Item], homes, ep_size: int, cap: Optional[float],
         pref = _preferred(item, homes)
         fits = pref is not None and item[0] not in bins.experts[pref] and (
             cap is None or bins.load[pref] + item[2] <= cap + EPS)
-        rank = pref if fits else bins.least_loaded(item[0])
+        rank = pref if fits and pref is not None else bins.least_loaded(item[0])
         bins.put(rank, item)
         out.append((item, rank))
         if give_up_above is not None and bins.load[rank] > give_up_above and round(bins.load[rank], 6) > give_up_above:
@@ -106,46 +109,44 @@ def place_sticky(items: List[Item], homes, ep_size: int, cap: Optional[float],
     return out
 
 
-def place_lpt(items: List[Item], homes, ep_size: int, ordered: Optional[List[Item]] = None) -> List[Tuple[Item, int]]:
+def place_lpt(items: List[Item], homes: Homes, ep_size: int, ordered: Optional[List[Item]] = None) -> Assigned:
     """Greedy largest-load-first onto the least loaded rank, then rename the ranks (bins are
     interchangeable) to keep as many items where they already are."""
     bins, out = Bins(ep_size), []
     for item in ordered if ordered is not None else _by_load(items):
-        rank = bins.least_loaded(item[0])
+        rank: int = bins.least_loaded(item[0])
         bins.put(rank, item)
         out.append((item, rank))
     rename = _best_renaming(out, homes, ep_size)
     return [(item, rename[b]) for item, b in out]
 
 
-def _best_renaming(assigned, homes, ep_size: int) -> List[int]:
+def _best_renaming(assigned: Assigned, homes: Homes, ep_size: int) -> List[int]:
     """Greedy over (bin, rank) pairs by overlap, descending, ties by (bin, rank). Only pairs that share
     items are sorted: the zero-overlap pairs come last in (bin, rank) order, which gives every bin
     still unnamed, in bin order, the lowest rank still free."""
-    overlap = {}
+    overlap: Dict[Tuple[int, int], int] = {}
     for item, b in assigned:
         pref = _preferred(item, homes)
         if pref is not None:
             overlap[b, pref] = overlap.get((b, pref), 0) + 1
-    rename, used = [None] * ep_size, set()
+    rename: List[Optional[int]] = [None] * ep_size
+    used: Set[int] = set()
     for (b, r), _ in sorted(overlap.items(), key=lambda kv: (-kv[1], kv[0][0], kv[0][1])):
         if rename[b] is None and r not in used:
             rename[b] = r
             used.add(r)
     free = iter(r for r in range(ep_size) if r not in used)
-    for b in range(ep_size):
-        if rename[b] is None:
-            rename[b] = next(free)
-    return rename
+    return [r if r is not None else next(free) for r in rename]
 
 
-def count_moves(assigned, homes, home_sets=None) -> int:
+def count_moves(assigned: Assigned, homes: Homes, home_sets: Optional[List[Set[int]]] = None) -> int:
     """New (expert, rank) holdings of experts that already existed somewhere."""
     sets = home_sets if home_sets is not None else [set(h) for h in homes]
     return sum(1 for (expert, _, _), rank in assigned if sets[expert] and rank not in sets[expert])
 
 
-def max_load(assigned, ep_size: int) -> float:
+def max_load(assigned: Assigned, ep_size: int) -> float:
     load = [0.0] * ep_size
     for item, rank in assigned:
         load[rank] += item[2]
@@ -165,7 +166,8 @@ def replica_options(loads: Sequence[float], ep_size: int, factor: float, max_rep
     return options
 
 
-def _assignments(items: List[Item], homes, ep_size: int, rebalance: bool, limit=lambda: None):
+def _assignments(items: List[Item], homes: Homes, ep_size: int, rebalance: bool,
+                 limit: Callable[[], Optional[float]] = lambda: None) -> Iterator[Optional[Assigned]]:
     """The candidate packings of one replica option, lazily; ``limit()`` is the best rounded maximum
     load so far, above which a sticky packing is abandoned (yielded as None)."""
     ordered = _by_load(items)
@@ -194,7 +196,7 @@ def load_lower_bound(loads: Sequence[float], replicas: Sequence[int], ep_size: i
     return bound
 
 
-def _cannot_win(bound: float, num_replicas: int, best_key) -> bool:
+def _cannot_win(bound: float, num_replicas: int, best_key: Optional[Key]) -> bool:
     """A candidate's key is (round(max load, 6), replicas, moves) >= (round(bound, 6), replicas, 0)."""
     return best_key is not None and (round(bound, 6), num_replicas) > best_key[:2]
 
@@ -205,18 +207,22 @@ def pack_experts(loads: Sequence[float], homes: Sequence[Sequence[int]], ep_size
 
     Among the candidates, the lowest maximum rank load wins, then the fewest replicas, then the fewest
     moves (without rebalance, experts stay where they are and only new items are placed)."""
-    best, best_key = None, None
+    best: Optional[Assigned] = None
+    best_key: Optional[Key] = None
     home_sets = [set(h) for h in homes]
     for replicas in replica_options(loads, ep_size, replicate_factor, max_replicas):
         if _cannot_win(load_lower_bound(loads, replicas, ep_size), sum(replicas), best_key):
             continue
-        limit = lambda: None if best_key is None else best_key[0]  # noqa: E731
+        def limit() -> Optional[float]:
+            return None if best_key is None else best_key[0]
+
         for assigned in _assignments(make_items(loads, replicas), homes, ep_size, rebalance, limit):
             if assigned is None:
                 continue
             key = (round(max_load(assigned, ep_size), 6), sum(replicas), count_moves(assigned, homes, home_sets))
             if best_key is None or key < best_key:
                 best, best_key = assigned, key
+    assert best is not None, "the first candidate is never abandoned"
     per_rank: List[List[int]] = [[] for _ in range(ep_size)]
     for (expert, _, _), rank in best:
         per_rank[rank].append(expert)

@@ -10,6 +10,8 @@ experts (one per crowded neighbourhood) instead of several copies of the same ga
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
+
 import torch
 from torch import Tensor
 
@@ -26,9 +28,11 @@ class WindowStats:
     """Tokens per selected count k, float64."""
 
     @classmethod
-    def empty(cls, num_experts: int, dim: int, max_experts: int, device="cpu") -> "WindowStats":
+    def empty(cls, num_experts: int, dim: int, max_experts: int,
+              device: Union[str, torch.device] = "cpu") -> "WindowStats":
         """Zeros on `device`: recording on the layer's device needs no host sync per forward."""
-        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=device)  # noqa: E731
+        def zeros(*shape: int) -> Tensor:
+            return torch.zeros(*shape, dtype=torch.float64, device=device)
         return cls(zeros(num_experts), zeros(num_experts, dim), zeros(num_experts), zeros(max_experts + 1))
 
     @property
@@ -66,7 +70,7 @@ class WindowStats:
     def to_flat(self) -> Tensor:
         return torch.cat([self.counts_E, self.unrouted_sum_ED.reshape(-1), self.num_unrouted_E, self.k_hist_K])
 
-    def to(self, device) -> "WindowStats":
+    def to(self, device: Union[str, torch.device]) -> "WindowStats":
         return WindowStats(*(t.to(device) for t in (self.counts_E, self.unrouted_sum_ED, self.num_unrouted_E,
                                                     self.k_hist_K)))
 
@@ -74,5 +78,5 @@ class WindowStats:
     def from_flat(cls, flat: Tensor, num_experts: int, dim: int) -> "WindowStats":
         flat = flat.double().cpu()  # NOTE: device-to-host sync (planning time, once per event)
         e, d = num_experts, dim
-        parts = flat.split([e, e * d, e, flat.numel() - e - e * d - e])
+        parts = torch.split(flat, [e, e * d, e, flat.numel() - e - e * d - e])
         return cls(parts[0].clone(), parts[1].reshape(e, d).clone(), parts[2].clone(), parts[3].clone())
