@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple, Union, get_args, get_origin
 
 ROUTERS = ("top_any", "top_k", "top_p")
-AUX_LOSSES = ("diverse", "simple", "load_balance", "efficiency", "switch")
+AUX_LOSSES = ("diverse", "simple", "load_balance", "efficiency", "switch", "entropy")
 ACTIVATIONS = ("gelu", "relu", "silu")
 TRAIN_K0_MODES = ("zero", "top1")
 EVAL_K0_MODES = ("top1", "skip")
@@ -158,6 +158,10 @@ class MoEConfig:
         _require(self.aux_loss_weight >= 0, f"aux_loss_weight ({self.aux_loss_weight}) must be >= 0")
         for name in self.aux_losses:
             _require(name in AUX_LOSSES, f"aux_losses entry ({name!r}) must be one of {AUX_LOSSES}")
+        # top-any scores are independent sigmoids, not a distribution: their "entropy" means nothing.
+        if self.router == "top_any" and "entropy" in self.aux_losses:
+            raise ValueError("aux_losses entry ('entropy') needs a softmax router (top_k or top_p), "
+                             f"router is {self.router!r}")
         _require(self.activation in ACTIVATIONS, f"activation ({self.activation!r}) must be one of {ACTIVATIONS}")
         _require(self.train_k0 in TRAIN_K0_MODES, f"train_k0 ({self.train_k0!r}) must be one of {TRAIN_K0_MODES}")
         _require(self.eval_k0 in EVAL_K0_MODES, f"eval_k0 ({self.eval_k0!r}) must be one of {EVAL_K0_MODES}")
