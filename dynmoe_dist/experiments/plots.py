@@ -17,7 +17,7 @@ from .summary import ModelRow
 
 
 def _is_dynmoe(row: ModelRow) -> bool:
-    return row.model.startswith("dynmoe")
+    return row.family == "dynmoe" if row.family else row.model.startswith("dynmoe")
 
 
 def _styles(rows: Sequence[ModelRow]):

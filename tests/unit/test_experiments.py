@@ -65,7 +65,7 @@ def test_summarise_run_needs_a_final_record():
 def _run(seed, accuracy, mean_k, experts, model="top2"):
     return RunSummary(model=model, seed=seed, test_accuracy=accuracy, mean_k=mean_k, final_k=mean_k,
                       mean_k_per_layer=[mean_k], num_experts=experts, wall_s=10.0 + seed, eval_k=mean_k,
-                      last_epoch_k0_share=0.1 * seed)
+                      last_epoch_k0_share=0.1 * seed, num_steps=20)
 
 
 def test_aggregate_mean_and_sample_std_over_seeds():
@@ -74,9 +74,10 @@ def test_aggregate_mean_and_sample_std_over_seeds():
     assert row.accuracy_std == pytest.approx([10 / math.sqrt(2), 20 / math.sqrt(2)])  # ddof 1
     assert (row.mean_k, row.mean_k_std) == (3.0, pytest.approx(math.sqrt(2)))
     assert (row.num_experts, row.wall_s, row.last_epoch_k0_share) == ([8.0, 9.5], 10.5, pytest.approx(0.05))
+    assert row.ms_per_step == pytest.approx(1000 * (10 / 20 + 11 / 20) / 2)  # 525 ms
     table = markdown_table([row])
-    assert "| DynMoE (average) | **55.00 ± 7.07** | **80.00 ± 14.14** | 3.00 ± 1.41 | 3.00 | 3.00 | 5.0 | 8/9.5 | 10 |" \
-        in table
+    assert "| DynMoE (average) | **55.00 ± 7.07** | **80.00 ± 14.14** | 3.00 ± 1.41 | 3.00 | 3.00 | 5.0 | 8/9.5 " \
+        "| - | - | 525 |" in table  # no top-k row: nothing to reach
 
 
 def test_aggregate_rejects_seeds_with_different_epochs():
@@ -85,13 +86,15 @@ def test_aggregate_rejects_seeds_with_different_epochs():
 
 
 def test_markdown_table_one_seed_bolds_the_best_of_each_column():
-    rows = [aggregate("top2", "MoE k=2", [_run(0, [55.0, 80.0], 2, [8, 8])]),
-            aggregate("dynmoe-average", "DynMoE (average)", [_run(0, [50.0, 81.0], 1.25, [9, 6])])]
+    rows = [aggregate("top2", "MoE k=2", [_run(0, [55.0, 80.0], 2, [8, 8])], "top_k"),
+            aggregate("dynmoe-average", "DynMoE (average)", [_run(0, [50.0, 81.0], 1.25, [9, 6])], "dynmoe")]
+    rows[1].flops_train, rows[1].flops_eval = 5000.0, 12000.0
     assert markdown_table(rows).splitlines() == [
-        "| model | 1 | 2 | mean k | final k | eval k | k=0 % | experts | wall s |",
-        "|---|---|---|---|---|---|---|---|---|",
-        "| MoE k=2 | **55.00** | 80.00 | 2.00 | 2.00 | 2.00 | 0.0 | 8/8 | 10 |",
-        "| DynMoE (average) | 50.00 | **81.00** | 1.25 | 1.25 | 1.25 | 0.0 | 9/6 | 10 |",
+        "| model | 1 | 2 | mean k | final k | eval k | k=0 % | experts | kFLOP/token train / eval "
+        "| reaches best top-k | ms/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| MoE k=2 | **55.00** | 80.00 | 2.00 | 2.00 | 2.00 | 0.0 | 8/8 | - | 2 | 500 |",
+        "| DynMoE (average) | 50.00 | **81.00** | 1.25 | 1.25 | 1.25 | 0.0 | 9/6 | 5 / 12 | 2 | 500 |",
     ]
     with pytest.raises(ValueError, match=r"\[3\] outside \[1, 2\]"):
         markdown_table(rows, epochs=[1, 3])
@@ -148,7 +151,7 @@ def test_routing_probe_counts_k0_and_restarts_recent_counts_at_mode_changes():
 def test_option_errors_name_the_value():
     with pytest.raises(ValueError, match="unknown model.*'top3'"):
         compare.parse_models("top2,top3")
-    assert compare.parse_models("default") == compare.DEFAULT_MODELS and "dynmoe-random" not in compare.DEFAULT_MODELS
+    assert compare.parse_models("default") == compare.DEFAULT_MODELS == list(compare.MODELS)
     with pytest.raises(ValueError, match=r"--seeds \('0,0'\)"):
         compare.parse_seeds("0,0")
     with pytest.raises(ValueError, match="moe.router is set by compare"):
