@@ -12,7 +12,7 @@ import torch
 from dynmoe_dist.experiments import __main__ as experiments_main
 from dynmoe_dist.experiments import compare
 from dynmoe_dist.experiments.plots import draw_comparison
-from dynmoe_dist.experiments.probe import RoutingProbe, _LayerHook, add_totals, routing_summary
+from dynmoe_dist.experiments.probe import FIELDS, RoutingProbe, _LayerHook, add_totals, routing_summary
 from dynmoe_dist.experiments.summary import (RunSummary, accuracy_by_epoch, aggregate, markdown_table,
                                              summarise_run, table_epochs)
 from dynmoe_dist.moe.routing import Routing
@@ -183,7 +183,7 @@ def test_dynmoe_set_reaches_only_dynmoe_runs(tmp_path):
                              dynmoe_overrides=["adaptive.expert_init='random'"])
 
 
-TINY = ["--task", "synthetic", "--epochs", "2", "--models", "top2,dynmoe-average", "--seeds", "0",
+TINY = ["--task", "synthetic", "--epochs", "1", "--models", "top2,dense,dynmoe-average", "--seeds", "0,1",
         "--set", "task.num_samples=160", "--set", "model.dim=16", "--set", "model.ffn_dim=16",
         "--set", "train.global_batch_size=16"]
 
@@ -191,30 +191,45 @@ TINY = ["--task", "synthetic", "--epochs", "2", "--models", "top2,dynmoe-average
 def test_compare_end_to_end_on_the_synthetic_task(tmp_path, capsys):
     result = compare.main(TINY + ["--out", str(tmp_path)])
     results = json.loads((tmp_path / "results.json").read_text())
-    assert [m["model"] for m in results["models"]] == ["top2", "dynmoe-average"]
+    assert [m["model"] for m in results["models"]] == ["top2", "dense", "dynmoe-average"]
     assert results["settings"]["steps_per_epoch"] == 8  # 128 train samples / batch 16
     for model in results["models"]:
-        records = read_metrics(tmp_path / "runs" / model["model"] / "seed0" / "metrics.jsonl")
-        ends = [100 * r["test_accuracy"] for r in records if r["kind"] in ("eval", "final")]
-        assert model["runs"][0]["test_accuracy"] == pytest.approx(ends) and len(ends) == 2
-    top2, dyn = results["models"]
+        for seed in (0, 1):
+            records = read_metrics(tmp_path / "runs" / model["model"] / f"seed{seed}" / "metrics.jsonl")
+            ends = [100 * r["test_accuracy"] for r in records if r["kind"] in ("eval", "final")]
+            assert model["runs"][seed]["test_accuracy"] == pytest.approx(ends) and len(ends) == 1
+    top2, dense, dyn = results["models"]
     assert (top2["mean_k"], top2["eval_k"], top2["last_epoch_k0_share"]) == (2.0, 2.0, 0.0)
+    assert top2["flops_train"] == top2["flops_eval"] == 2 * 2 * 4 * 16 * 16  # 2 layers at k = 2, D = F = 16
+    assert dense["flops_eval"] == 2 * 4 * 16 * 16 and dense["runs"][0]["num_experts"] == []
+    assert math.isnan(dense["mean_k"]) and math.isnan(top2["skip_accuracy"])
     assert 'router = "top_any"' in (tmp_path / "runs" / "dynmoe-average" / "seed0" / "config.toml").read_text()
     assert dyn["eval_k"] >= 1.0  # the top-1 fallback: no token computes nothing at evaluation
+    assert 0 <= dyn["skip_accuracy"] <= 100 and len(dyn["skip_share_per_layer"]) == 2
+    assert dyn["ms_per_step"] > 0 and set(results["paired"]["dynmoe-average"]) == {"top2", "dense"}
     markdown = (tmp_path / "results.md").read_text()
-    assert "| MoE k=2 |" in markdown and "| DynMoE (average) |" in markdown and "![comparison]" in markdown
+    for text in ("| MoE k=2 |", "| dense (no MoE) |", "| DynMoE (average) |", "![comparison]", "reaches best top-k",
+                 "kFLOP/token", "ms/step", "| vs MoE k=2 | vs dense (no MoE) |", "acc, eval_k0 = skip"):
+        assert text in markdown
     assert (tmp_path / "comparison.png").stat().st_size > 0 and result["rows"][0].label == "MoE k=2"
 
-    # A second call reuses both finished runs; a changed option re-runs them.
+    # A second call reuses every finished run; a changed option re-runs them.
     log = []
     plan = compare.make_plan(compare_args(TINY + ["--out", str(tmp_path)]))
-    assert [r.accuracy_mean for r in compare.run_plan(plan, log=log.append)] == \
-        [r.accuracy_mean for r in result["rows"]]
-    assert sum("reusing" in line for line in log) == 2
+    again = compare.run_plan(plan, log=log.append)
+    assert [r.accuracy_mean for r in again] == [r.accuracy_mean for r in result["rows"]]
+    assert again[2].skip_accuracy == result["rows"][2].skip_accuracy  # read back from routing.json
+    assert sum("reusing" in line for line in log) == 6
     log.clear()
-    plan = compare.make_plan(compare_args(TINY + ["--out", str(tmp_path), "--set", "train.lr=0.01", "--models", "top2"]))
+    plan = compare.make_plan(compare_args(TINY + ["--out", str(tmp_path), "--set", "train.lr=0.01", "--models", "top2",
+                                                  "--seeds", "0"]))
     compare.run_plan(plan, log=log.append)
     assert "reusing" not in log[0] and "top2 seed 0: done" in log[0]
+
+
+def test_routing_json_of_an_earlier_version_is_still_read():
+    bare = {name: [1.0, 1.0] for name in FIELDS}  # the probe counts alone, no skip evaluation
+    assert compare.routing_of(bare)["eval_k"] == 1.0 and "skip_accuracy" not in compare.routing_of(bare)
 
 
 def compare_args(argv):
