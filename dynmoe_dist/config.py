@@ -18,7 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple, get_type_hints
 
-from .moe.config import MoEConfig, _require, conforms, describe
+from .moe.config import PRESETS, MoEConfig, _require, conforms, describe
 
 EXPERT_INITS = ("reuse_discarded", "average", "weighted_average", "most_activated", "random")
 PRECISIONS = ("float32", "float64", "bf16")
@@ -317,7 +317,28 @@ def _check_keys(section: str, values: Dict[str, Any]) -> None:
 DERIVED_MOE_KEYS = ("dim", "ffn_dim")
 
 
+def with_preset(data: Dict[str, Any]) -> Dict[str, Any]:
+    """data with the moe.preset's values (moe/config.py PRESETS) filled in wherever the user set nothing;
+    unchanged unless the router is top-any. The caller records what the user set before this."""
+    moe = data.get("moe", {}) if isinstance(data.get("moe", {}), dict) else {}
+    defaults = {f.name: f.default for f in dataclasses.fields(MoEConfig)}
+    name, router = moe.get("preset", defaults["preset"]), moe.get("router", defaults["router"])
+    if name not in PRESETS:  # checked here too: an unknown preset must fail, whatever the router
+        raise ValueError(f"moe.preset ({name!r}) must be one of {tuple(PRESETS)}")
+    if router != "top_any":
+        return data
+    out = dict(data)
+    for option, value in PRESETS[name].items():
+        section, key = option.split(".")
+        if isinstance(out.get(section, {}), dict):  # a malformed section fails in from_dict, with its name
+            out[section] = {key: value, **out.get(section, {})}
+    return out
+
+
 def from_dict(data: Dict[str, Dict[str, Any]]) -> RunConfig:
+    explicit = frozenset(f"{name}.{key}" for name, values in data.items() if isinstance(values, dict)
+                         for key in values)
+    data = with_preset(data)
     for key in DERIVED_MOE_KEYS:
         if key in data.get("moe", {}):
             raise ValueError(f"moe.{key} is taken from the model (model.{key} for built models, the pre-trained "
@@ -330,7 +351,6 @@ def from_dict(data: Dict[str, Dict[str, Any]]) -> RunConfig:
             raise ValueError(f"section [{name}] must be a table, got {values!r}")
         _check_keys(name, values)
         sections[name] = make_section(name, checked_values(name, values))
-    explicit = frozenset(f"{name}.{key}" for name, values in data.items() for key in values)
     return RunConfig(**sections, explicit=explicit)
 
 
