@@ -190,6 +190,9 @@ class AdaptiveConfig:
     """Replicate an expert whose load exceeds this multiple of the mean per-rank load (must be > 1)."""
     max_replicas: int = 0
     """Replicas per expert at most (0 = up to the ep size; 1 = replication off)."""
+    min_unrouted_share: float = 0.0
+    """Add an expert only if the share of the window's tokens that selected no expert exceeds this
+    (0 = any such token triggers an add, the reference)."""
 
     def __post_init__(self):
         _require(0.0 <= self.window_start < self.window_end <= 1.0,
@@ -201,11 +204,14 @@ class AdaptiveConfig:
                  f"adaptive.expert_init ({self.expert_init!r}) must be one of {EXPERT_INITS}")
         _require(self.replicate_factor > 1.0, f"adaptive.replicate_factor ({self.replicate_factor}) must be > 1")
         _require(self.max_replicas >= 0, f"adaptive.max_replicas ({self.max_replicas}) must be >= 0")
+        _require(0.0 <= self.min_unrouted_share < 1.0,
+                 f"adaptive.min_unrouted_share ({self.min_unrouted_share}) must be in [0, 1)")
 
 
 # Options only adding and removing experts reads. Only top-any layers add and remove experts: under
 # top_k / top_p routers the adaptive events re-place and replicate experts, nothing else.
-ADD_REMOVE_OPTIONS = ("adaptive.max_adds_per_event", "adaptive.expert_init", "moe.max_experts", "moe.min_experts")
+ADD_REMOVE_OPTIONS = ("adaptive.max_adds_per_event", "adaptive.expert_init", "adaptive.min_unrouted_share",
+                      "moe.max_experts", "moe.min_experts")
 
 
 @dataclass
