@@ -55,7 +55,7 @@ def test_minilm_preset_is_the_shortened_quickstart(tmp_path):
     config = compare.build_config("minilm-sentiment", MODELS["top2"], 0, compare.TASK_EPOCHS["minilm-sentiment"],
                                   tmp_path)
     assert (config.task.max_len, config.model.moe_layers, config.moe.num_experts, config.train.epochs) == \
-        (48, [4, 5], 8, 2.0)
+        (48, [4, 5], 8, 1.0)
     assert config.model.freeze == ["embeddings", "layers.0", "layers.1", "layers.2", "layers.3"]
     assert compare.ffn_shape(config) == (384, 1536)  # the pre-trained block, not model.dim / ffn_dim
 
