@@ -8,7 +8,7 @@ switched off), one training run per seed, on compare's task presets and budget. 
 - at a few checkpoint steps, every DynMoE loss term (also those switched off: what they *would* do) is
   differentiated alone with autograd.grad on each layer's router: the norm of its gradient on the
   thresholds G and on the gate vectors W, unweighted (the layer multiplies the sum by
-  moe.aux_loss_weight);
+  moe.aux_loss_weight); and the norm of the step's whole gradient there (task + weighted aux), for scale;
 - at every step, per layer, the mean k and the share of tokens with k = 0;
 - at every window end, per layer, the window's token count, how many of its tokens selected no expert
   (the add rule's trigger) and how many experts the plan added and removed.
@@ -103,6 +103,22 @@ class LossProbe:
                                               (selected_T == 0).sum().double()]))
         if step in self.checkpoints:
             self.gradients += [{"step": step + 1, "layer": index, **row} for row in gradient_norms(layer, routing)]
+            self.record_total(step + 1, index, layer)
+
+    def record_total(self, step: int, index: int, layer) -> None:
+        """The step's whole router gradient (task loss + the weighted aux losses that are on), caught by
+        one-shot hooks on the router parameters as the training backward reaches them: the scale the
+        per-loss norms are to be read against."""
+        row = {"step": step, "layer": index, "loss": "total", "on": True, "value": float("nan")}
+        self.gradients.append(row)
+        for name, param in (("threshold_grad_norm", layer.router.threshold), ("gate_grad_norm", layer.router.weight)):
+            handle = []
+
+            def hook(grad, name=name, handle=handle):
+                row[name] = row.get(name, 0.0) + float(grad.norm())  # NOTE: device-to-host sync (diagnostic)
+                handle[0].remove()
+
+            handle.append(param.register_hook(hook))
 
     def k_over_time(self) -> Dict[str, List[List[float]]]:
         """Per layer, per step: mean k and k = 0 share. NOTE: device-to-host sync (once, at the end)."""

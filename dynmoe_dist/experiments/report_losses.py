@@ -18,19 +18,30 @@ def _by_model(runs: Sequence[Dict]) -> Dict[str, List[Dict]]:
     return grouped
 
 
+def _mean_of(rows: Sequence[Dict], key: str) -> float:
+    # A hook that never fired (the parameter got no gradient that step) leaves the key out: 0.
+    return float(np.mean([g.get(key, 0.0) for g in rows]))
+
+
+def _loss_name(loss: str, on: Sequence[str]) -> str:
+    if loss == "total":
+        return "**whole step** (task + aux)"
+    return loss if loss in on else f"{loss} (off)"
+
+
 def gradient_table(runs: Sequence[Dict]) -> str:
     """| model | loss | at step s1 | s2 | ... |: 'dG / dW' gradient norms, mean over seeds and layers."""
     steps = sorted({g["step"] for run in runs for g in run["gradients"]})
     lines = ["| model | loss | " + " | ".join(f"step {s}" for s in steps) + " |", "|---|---|" + "---|" * len(steps)]
     for model, mine in _by_model(runs).items():
-        for loss in FOUR_LOSSES:
+        for loss in (*FOUR_LOSSES, "total"):
             cells = []
             for step in steps:
                 rows = [g for run in mine for g in run["gradients"] if g["loss"] == loss and g["step"] == step]
-                cells.append(f"{np.mean([g['threshold_grad_norm'] for g in rows]):.2e} / "
-                             f"{np.mean([g['gate_grad_norm'] for g in rows]):.2e}" if rows else "-")
-            on = loss in mine[0]["aux_losses"]
-            lines.append(f"| {MODELS[model].label} | {loss}{'' if on else ' (off)'} | " + " | ".join(cells) + " |")
+                cells.append(f"{_mean_of(rows, 'threshold_grad_norm'):.2e} / {_mean_of(rows, 'gate_grad_norm'):.2e}"
+                             if rows else "-")
+            lines.append(f"| {MODELS[model].label} | {_loss_name(loss, mine[0]['aux_losses'])} | " + " | ".join(cells)
+                         + " |")
     return "\n".join(lines)
 
 
@@ -88,7 +99,8 @@ def losses_markdown(runs: Sequence[Dict], task: str, epochs: int, steps_per_epoc
         f"    {command}", "",
         "Gradient norm of each aux loss alone on the router, `‖∂L/∂G‖ / ‖∂L/∂W‖` (thresholds G, gate vectors "
         f"W), unweighted (the layer adds their sum x {weight:g}); mean over MoE layers and seeds. '(off)': the "
-        "model trains without that loss; the number is what it would contribute.", "",
+        "model trains without that loss; the number is what it would contribute. 'whole step': the norm of the "
+        "step's full gradient there (task loss + the weighted aux losses that are on), for scale.", "",
         gradient_table(runs), "",
         "Mean k / share of tokens with k = 0, per epoch (training steps; mean over MoE layers and seeds):", "",
         k_table(runs, steps_per_epoch), "",

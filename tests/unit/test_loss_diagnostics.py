@@ -73,9 +73,27 @@ def test_losses_end_to_end_tiny(tmp_path):
     result = diag.main(argv)
     (run,) = json.loads((tmp_path / "losses.json").read_text())["runs"]
     assert run["checkpoints"] == [1, 8] and {g["step"] for g in run["gradients"]} == {1, 8}
-    assert len(run["gradients"]) == 2 * 2 * 4  # checkpoints x layers x losses
+    assert len(run["gradients"]) == 2 * 2 * 5  # checkpoints x layers x (4 losses + the whole step)
+    totals = [g for g in run["gradients"] if g["loss"] == "total"]
+    assert len(totals) == 4 and all(g["threshold_grad_norm"] > 0 and g["gate_grad_norm"] > 0 for g in totals)
     assert [len(k) for k in run["mean_k"]] == [8, 8] and len(run["windows"]) == 2  # one window per layer
     assert run["windows"][0]["num_tokens"] > 0 and run["aux_losses"] == ["diverse", "simple", "load_balance"]
     assert "efficiency (off)" in result["markdown"] and "| DynMoE, no efficiency | 0 | 1 |" in result["markdown"]
     again = diag.main(argv)  # reuses the finished run
     assert again["runs"][0]["gradients"] == run["gradients"]
+
+
+def test_whole_step_gradient_is_what_backward_leaves_on_the_router():
+    torch.manual_seed(1)
+    layer = MoELayer(MoEConfig(dim=8, ffn_dim=8, num_experts=4)).train()
+    probe = diag.LossProbe(1, checkpoints=[0])
+    layer.routing_observers.append(lambda lay, x_TD, routing: probe.observe(0, lay, routing))
+    out = layer(torch.randn(16, 8))
+    (out.output.pow(2).sum() + out.aux_loss).backward()
+    total = next(g for g in probe.gradients if g["loss"] == "total")
+    assert total["threshold_grad_norm"] == pytest.approx(layer.router.threshold.grad.norm().item())
+    assert total["gate_grad_norm"] == pytest.approx(layer.router.weight.grad.norm().item())
+    k_T = (out.routing.gates > 0).sum(dim=-1).double()
+    over_time = probe.k_over_time()
+    assert (over_time["mean_k"], over_time["k0_share"]) == ([[pytest.approx(k_T.mean().item())]],
+                                                            [[pytest.approx((k_T == 0).double().mean().item())]])
