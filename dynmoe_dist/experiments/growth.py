@@ -36,8 +36,8 @@ def track_experts(events: Sequence[Dict], initial_counts: Sequence[int]) -> List
             raise ValueError(f"event at step {event['step']}, layer {event['layer']}: replay gives {len(ids)} "
                              f"experts, the record says {event['num_experts']}")
         layer["ids"] = ids
-    return [{"added": list(l["added"].values()), "initial_removed": l["initial_removed"], "final": l["ids"]}
-            for l in layers]
+    return [{"added": list(layer["added"].values()), "initial_removed": layer["initial_removed"],
+             "final": layer["ids"]} for layer in layers]
 
 
 def growth_summary(windows: Sequence[Dict], tracked: Sequence[Dict]) -> List[Dict]:

@@ -59,7 +59,8 @@ def k_table(runs: Sequence[Dict], steps_per_epoch: int) -> str:
         k = np.mean([per_epoch(layer, steps_per_epoch) for run in mine for layer in run["mean_k"]], axis=0)
         k0 = np.mean([per_epoch(layer, steps_per_epoch) for run in mine for layer in run["k0_share"]], axis=0)
         num_epochs = max(num_epochs, len(k))
-        rows.append(f"| {MODELS[model].label} | " + " | ".join(f"{a:.2f} / {100 * b:.0f}%" for a, b in zip(k, k0)) + " |")
+        cells = [f"{a:.2f} / {100 * b:.0f}%" for a, b in zip(k, k0)]
+        rows.append(f"| {MODELS[model].label} | " + " | ".join(cells) + " |")
     header = ["| model | " + " | ".join(f"epoch {e}" for e in range(1, num_epochs + 1)) + " |",
               "|---|" + "---|" * num_epochs]
     return "\n".join(header + rows)
@@ -80,7 +81,9 @@ def growth_table(runs: Sequence[Dict]) -> str:
     for model, mine in _by_model(runs).items():
         for index in range(len(mine[0]["growth"])):
             g = [run["growth"][index] for run in mine]
-            total = lambda key: sum(x[key] for x in g)  # noqa: E731
+
+            def total(key: str, g=g) -> float:
+                return sum(x[key] for x in g)
             counts = [c for x in g for c in x["trigger_unrouted"]]
             shares = [100 * s for x in g for s in x["trigger_share"]]
             lines.append(f"| {MODELS[model].label} | {index} | {total('num_windows')} | "
