@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -185,11 +185,11 @@ def train(config: RunConfig, world_size: int) -> Dict:
     return _merge_ranks(per_rank)
 
 
-def routing_of(saved: Dict) -> Dict[str, float]:
+def routing_of(saved: Dict) -> Dict[str, Any]:
     """routing.json -> the RunSummary fields it gives (probe shares, skip evaluation). A routing.json of an
     earlier version holds the bare probe counts and no skip evaluation: still read."""
     probe = saved.get("probe", saved)
-    out = routing_summary({name: probe[name] for name in FIELDS})
+    out: Dict[str, Any] = dict(routing_summary({name: probe[name] for name in FIELDS}))
     skip = saved.get("skip")
     if skip:
         out["skip_accuracy"] = skip["accuracy"]

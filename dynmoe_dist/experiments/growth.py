@@ -8,13 +8,13 @@ expert added at one event is removed at a later one.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Any, Dict, List, Sequence
 
 
 def track_experts(events: Sequence[Dict], initial_counts: Sequence[int]) -> List[Dict]:
     """Per layer: {'added': [{'id', 'step', 'removed_step'}], 'initial_removed', 'final': ids at the end}.
     Identities: 'init<i>' for the starting experts, 'add<step>.<j>' for the j-th expert added at step."""
-    layers = [{"ids": [f"init{i}" for i in range(n)], "added": {}, "initial_removed": 0} for n in initial_counts]
+    layers: List[Dict[str, Any]] = [{"ids": [f"init{i}" for i in range(n)], "added": {}, "initial_removed": 0} for n in initial_counts]
     for event in sorted(events, key=lambda e: (e["step"], e["layer"])):
         layer = layers[event["layer"]]
         removed = set(event["removed"])

@@ -82,7 +82,7 @@ class LossProbe:
     def __init__(self, num_layers: int, checkpoints: Sequence[int]):
         self.checkpoints = set(checkpoints)
         self.calls = [0] * num_layers
-        self.k_sum = [[] for _ in range(num_layers)]  # per step: (sum of k, tokens, tokens with k = 0)
+        self.k_sum: List[List[torch.Tensor]] = [[] for _ in range(num_layers)]  # per step: (sum of k, tokens, tokens with k = 0)
         self.gradients: List[Dict] = []
 
     @classmethod
@@ -90,7 +90,7 @@ class LossProbe:
         layers = [layer for _, layer in find_moe_layers(model)]
         probe = cls(len(layers), checkpoints)
         for index, layer in enumerate(layers):
-            layer.routing_observers.append(lambda lay, x_TD, routing, i=index: probe.observe(i, lay, routing))
+            layer.routing_observers.append(_Observer(probe, index))
         return probe
 
     def observe(self, index: int, layer, routing) -> None:
@@ -112,7 +112,7 @@ class LossProbe:
         row = {"step": step, "layer": index, "loss": "total", "on": True, "value": float("nan")}
         self.gradients.append(row)
         for name, param in (("threshold_grad_norm", layer.router.threshold), ("gate_grad_norm", layer.router.weight)):
-            handle = []
+            handle: List = []
 
             def hook(grad, name=name, handle=handle):
                 row[name] = row.get(name, 0.0) + float(grad.norm())  # NOTE: device-to-host sync (diagnostic)
@@ -122,12 +122,20 @@ class LossProbe:
 
     def k_over_time(self) -> Dict[str, List[List[float]]]:
         """Per layer, per step: mean k and k = 0 share. NOTE: device-to-host sync (once, at the end)."""
-        out = {"mean_k": [], "k0_share": []}
+        out: Dict[str, List[List[float]]] = {"mean_k": [], "k0_share": []}
         for steps in self.k_sum:
             table = torch.stack(steps).cpu() if steps else torch.zeros(0, 3)
             out["mean_k"].append((table[:, 0] / table[:, 1]).tolist())
             out["k0_share"].append((table[:, 2] / table[:, 1]).tolist())
         return out
+
+
+class _Observer:
+    def __init__(self, probe: LossProbe, index: int):
+        self.probe, self.index = probe, index
+
+    def __call__(self, layer, x_TD, routing) -> None:
+        self.probe.observe(self.index, layer, routing)
 
 
 class RecordingCoordinator:

@@ -84,7 +84,7 @@ def _step_k(record: Dict[str, Any]) -> float:
 
 
 def summarise_run(model: str, seed: int, records: Sequence[Dict[str, Any]],
-                  routing: Optional[Dict[str, float]] = None) -> RunSummary:
+                  routing: Optional[Dict[str, Any]] = None) -> RunSummary:
     """One run's RunSummary from its metrics records (a resumed run's superseded records dropped) and
     the routing probe's shares (probe.routing_summary), when there are any."""
     records = latest_attempt(records)
@@ -290,7 +290,7 @@ def references(rows: Sequence[ModelRow]) -> List[ModelRow]:
 
 def paired_results(rows: Sequence[ModelRow]) -> Dict[str, Dict[str, Optional[Dict[str, Any]]]]:
     """DynMoE model -> reference model -> PairedResult as a dict (None with one seed), for results.json."""
-    out = {}
+    out: Dict[str, Dict[str, Optional[Dict[str, Any]]]] = {}
     for row in (r for r in rows if r.family == "dynmoe"):
         out[row.model] = {}
         for ref in references(rows):

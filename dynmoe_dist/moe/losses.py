@@ -73,6 +73,7 @@ def token_sums(name: str, routing: Routing) -> List[Tensor]:
         return [routing.mask.to(dtype).sum(dim=0), count, routing.probs.to(dtype).sum(dim=0)]
     if name == "entropy":
         count = torch.full((1,), float(num_tokens), dtype=dtype, device=routing.mask.device)
+        assert routing.probs is not None, "the entropy loss needs the router's softmax probabilities"
         probs_TE = routing.probs.to(dtype)
         return [-_p_log_p(probs_TE).sum().reshape(1), count]
     raise ValueError(f"aux loss ({name!r}) has no token statistics; token losses are {TOKEN_LOSSES}")
