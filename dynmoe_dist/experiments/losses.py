@@ -196,9 +196,12 @@ def run_or_reuse(model: str, seed: int, config, num_checkpoints: int, reuse: boo
         result = {"model": model, "seed": seed, **diagnose_run(config, num_checkpoints), "key": key}
         saved.write_text(json.dumps(result))  # last: its key marks a finished run
         log(f"{model} seed {seed}: done in {time.perf_counter() - started:.0f}s")
-    events = [r for r in read_metrics(folder / METRICS_FILE) if r["kind"] == "event"]
+    records = read_metrics(folder / METRICS_FILE)
+    events = [r for r in records if r["kind"] == "event"]
     tracked = track_experts(events, [config.moe.num_experts] * len(config.model.moe_layers))
-    return {**result, "experts": tracked, "growth": growth_summary(result["windows"], tracked)}
+    final = next(r for r in reversed(records) if r["kind"] == "final")
+    return {**result, "final_accuracy": 100.0 * final["test_accuracy"], "experts": tracked,
+            "growth": growth_summary(result["windows"], tracked)}
 
 
 def parse_loss_models(text: str) -> List[str]:

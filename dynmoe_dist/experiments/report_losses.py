@@ -53,16 +53,18 @@ def per_epoch(values_per_step: Sequence[float], steps_per_epoch: int) -> List[fl
 
 
 def k_table(runs: Sequence[Dict], steps_per_epoch: int) -> str:
-    """| model | epoch 1 | ... |: 'mean k / k=0 %' per epoch, mean over layers and seeds."""
+    """| model | epoch 1 | ... | final acc |: 'mean k / k=0 %' per epoch, mean over layers and seeds, and the
+    final test accuracy (%, mean over seeds)."""
     rows, num_epochs = [], 0
     for model, mine in _by_model(runs).items():
         k = np.mean([per_epoch(layer, steps_per_epoch) for run in mine for layer in run["mean_k"]], axis=0)
         k0 = np.mean([per_epoch(layer, steps_per_epoch) for run in mine for layer in run["k0_share"]], axis=0)
         num_epochs = max(num_epochs, len(k))
         cells = [f"{a:.2f} / {100 * b:.0f}%" for a, b in zip(k, k0)]
+        cells.append(f"{np.mean([run['final_accuracy'] for run in mine]):.2f}")
         rows.append(f"| {MODELS[model].label} | " + " | ".join(cells) + " |")
-    header = ["| model | " + " | ".join(f"epoch {e}" for e in range(1, num_epochs + 1)) + " |",
-              "|---|" + "---|" * num_epochs]
+    header = ["| model | " + " | ".join(f"epoch {e}" for e in range(1, num_epochs + 1)) + " | final acc (%) |",
+              "|---|" + "---|" * (num_epochs + 1)]
     return "\n".join(header + rows)
 
 
@@ -105,7 +107,8 @@ def losses_markdown(runs: Sequence[Dict], task: str, epochs: int, steps_per_epoc
         "model trains without that loss; the number is what it would contribute. 'whole step': the norm of the "
         "step's full gradient there (task loss + the weighted aux losses that are on), for scale.", "",
         gradient_table(runs), "",
-        "Mean k / share of tokens with k = 0, per epoch (training steps; mean over MoE layers and seeds):", "",
+        "Mean k / share of tokens with k = 0, per epoch (training steps; mean over MoE layers and seeds), and "
+        "the final test accuracy:", "",
         k_table(runs, steps_per_epoch), "",
         "Growth: at every window end the reference adds an expert if any token of the window selected none "
         "(`adaptive.min_unrouted_share = 0`). Per layer, counts summed over seeds; 'k=0 tokens behind an add' "

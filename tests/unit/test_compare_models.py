@@ -133,3 +133,13 @@ def test_epochs_and_seeds_default_per_task(tmp_path):
                                            "--set", "task.num_samples=160"]))
     assert (plan.epochs, plan.seeds) == (compare.TASK_EPOCHS["synthetic"], [0, 1, 2, 3, 4])
     assert Path(plan.config("top2", 4).output.out_dir).name == "seed4"
+
+
+def test_plot_styles_keep_ten_dynmoe_models_apart():
+    from dynmoe_dist.experiments.plots import _styles
+    dyn = [aggregate(f"dynmoe-{i}", str(i), _runs("d", [1]), "dynmoe") for i in range(10)]
+    rows = [aggregate("dense", "dense", _runs("dense", [1]), "dense"), aggregate("top2", "k", _runs("t", [1]), "top_k"),
+            aggregate("top-p0.4", "p", _runs("p", [1]), "top_p"), *dyn]
+    styles = _styles(rows)
+    assert len({tuple(styles[r.model]["color"]) for r in dyn}) == 10
+    assert (styles["dense"]["linestyle"], styles["top-p0.4"]["linestyle"], styles["top2"]["linestyle"]) == (":", "-.", "--")

@@ -78,6 +78,7 @@ def test_losses_end_to_end_tiny(tmp_path):
     assert len(totals) == 4 and all(g["threshold_grad_norm"] > 0 and g["gate_grad_norm"] > 0 for g in totals)
     assert [len(k) for k in run["mean_k"]] == [8, 8] and len(run["windows"]) == 2  # one window per layer
     assert run["windows"][0]["num_tokens"] > 0 and run["aux_losses"] == ["diverse", "simple", "load_balance"]
+    assert 0 <= run["final_accuracy"] <= 100 and f"| {run['final_accuracy']:.2f} |" in result["markdown"]
     assert "efficiency (off)" in result["markdown"] and "| DynMoE, no efficiency | 0 | 1 |" in result["markdown"]
     again = diag.main(argv)  # reuses the finished run
     assert again["runs"][0]["gradients"] == run["gradients"]
