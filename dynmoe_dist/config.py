@@ -24,6 +24,7 @@ EXPERT_INITS = ("reuse_discarded", "average", "weighted_average", "most_activate
 PRECISIONS = ("float32", "float64", "bf16")
 SHARDINGS = ("replicate", "fsdp")
 ACTIVATION_CHECKPOINTING = ("none", "block")
+MODEL_SOURCES = ("builtin", "hf")
 
 
 @dataclass
@@ -42,6 +43,9 @@ class TaskConfig:
     """Use only this many samples of the task's data (0 = all): quick runs and tests."""
     seed: int = 1234
     """Seed of the train/test split and of synthetic data (independent of the training seed)."""
+    tokenizer: str = ""
+    """'causal-lm': the model's tokenizer (a model directory with tokenizer files, or a .gguf file); normally
+    the same path as model.path (the task is built before the model and cannot read the model section)."""
 
     def __post_init__(self):
         _require(0.0 < self.test_fraction < 1.0, f"task.test_fraction ({self.test_fraction}) must be in (0, 1)")
@@ -67,8 +71,16 @@ class ModelConfig:
     """ViT patch size (vit-mnist)."""
     freeze: List[str] = field(default_factory=list)
     """Parameter-name prefixes to freeze (e.g. 'embeddings', 'layers.0')."""
+    source: str = "builtin"
+    """'builtin' (the task's own model) or 'hf' (a transformers model loaded from model.path, its dense MLPs
+    in model.moe_layers upcycled; model.num_layers must then equal its number of blocks)."""
+    path: str = ""
+    """source='hf': a local directory (config.json + safetensors) or a .gguf file; nothing is downloaded."""
 
     def __post_init__(self):
+        _require(self.source in MODEL_SOURCES, f"model.source ({self.source!r}) must be one of {MODEL_SOURCES}")
+        _require(self.source != "hf" or bool(self.path),
+                 "model.path ('') must name a model directory or .gguf file when model.source is 'hf'")
         _require(self.num_layers >= 1, f"model.num_layers ({self.num_layers}) must be >= 1")
         _require(0.0 <= self.dropout < 1.0, f"model.dropout ({self.dropout}) must be in [0, 1)")
         for i in self.moe_layers:
@@ -304,10 +316,13 @@ def _toml_value(value: Any) -> str:
 def field_docs(cls) -> Dict[str, str]:
     """The docstring written under each dataclass field (parsed from the source)."""
     tree = ast.parse(inspect.getsource(cls))
-    docs, body = {}, tree.body[0].body
+    node0 = tree.body[0]
+    assert isinstance(node0, ast.ClassDef), f"{cls} is not a class"
+    docs: Dict[str, str] = {}
+    body = node0.body
     for node, nxt in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
-                and isinstance(getattr(nxt, "value", None), ast.Constant) and isinstance(nxt.value.value, str):
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
             docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 

@@ -26,7 +26,7 @@ def grouped_mm_supports(a_RK: Tensor, b_eKN: Tensor) -> bool:
 
 def grouped_mm_reference(a_RK: Tensor, b_eKN: Tensor, offs_e: Tensor) -> Tensor:
     starts = [0] + offs_e.tolist()[:-1]  # NOTE: device-to-host sync
-    outs = [a_RK[s:e] @ b_eKN[i] for i, (s, e) in enumerate(zip(starts, offs_e.tolist()))]
+    outs = [a_RK[s:e] @ b_eKN[i] for i, (s, e) in enumerate(zip(starts, offs_e.tolist()))]  # NOTE: device-to-host sync
     return torch.cat(outs) if outs else a_RK.new_zeros(0, b_eKN.shape[-1])
 
 

@@ -8,6 +8,8 @@ BENCHMARKS = {
     "ep": "dynmoe_dist.bench.ep",
     "adapt": "dynmoe_dist.bench.adapt",
     "memory": "dynmoe_dist.bench.memory",
+    "gpu": "dynmoe_dist.bench.gpu",
+    "scale": "dynmoe_dist.bench.scale",
 }
 
 

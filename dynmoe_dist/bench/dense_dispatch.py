@@ -36,7 +36,7 @@ def dense_dispatch_tensors(routing: Routing) -> Tuple[Tensor, Tensor, int]:
     """(combine_TEC float with the combine weights, dispatch_TEC bool, capacity C), as the reference."""
     mask_TE = routing.mask.int()
     # NOTE: device-to-host sync (the reference moves exp_counts to the CPU to size the buffers)
-    capacity = int(mask_TE.sum(dim=0).max())
+    capacity = int(mask_TE.sum(dim=0).max())  # NOTE: device-to-host sync (the capacity sizes the buffers)
     locations_TE = torch.cumsum(mask_TE, dim=0)
     # Unselected pairs land in column C (``-1 % (C + 1)``), which is then cut off.
     slot_TE = (locations_TE * mask_TE - 1) % (capacity + 1)

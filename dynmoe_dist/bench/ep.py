@@ -64,7 +64,7 @@ def our_bytes(layer, x_TD) -> Dict:
     """One counted forward pass of our layer: bytes its dispatcher sent against its routed rows."""
     layer.dispatcher.comm.reset()
     with torch.no_grad():
-        routed = int(layer(x_TD).routing.mask.sum())
+        routed = int(layer(x_TD).routing.mask.sum())  # NOTE: device-to-host sync (setup, untimed)
     comm = layer.dispatcher.comm
     return {"routed_rows": routed, "bytes_per_direction": comm.bytes_sent,
             "remote_bytes_per_direction": comm.remote_bytes_sent,

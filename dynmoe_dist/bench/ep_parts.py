@@ -87,6 +87,7 @@ def global_mean_k(layer: MoELayer, x_TD: Tensor, groups: ParallelGroups) -> floa
     """Mean selected experts per token over the tokens of every rank (training-mode routing)."""
     with torch.no_grad():
         routing = layer.router(x_TD, True)
+        # NOTE: device-to-host sync (setup, untimed)
         totals = torch.tensor([float(routing.num_selected.sum()), float(x_TD.shape[0])], dtype=torch.float64)
     sum_over_ranks(totals, groups, "mean k all_reduce", groups.ep_group)
     return float(totals[0] / totals[1].clamp(min=1))
@@ -134,7 +135,7 @@ def fairscale_kept_pairs(layer: nn.Module, x_TD: Tensor) -> int:
     """(token, expert) pairs Top2Gate keeps within capacity (the rest of the buffer is zero padding)."""
     with torch.no_grad():
         _, _, dispatch_mask_TEC = layer.gate(x_TD)
-    return int(dispatch_mask_TEC.sum())
+    return int(dispatch_mask_TEC.sum())  # NOTE: device-to-host sync
 
 
 # -- the "limit": expert matmuls on the received rows + bare all_to_all calls ------------------------
@@ -158,7 +159,8 @@ def capture_received(layer: MoELayer, x_TD: Tensor) -> Received:
 
     def recording(x, routing):
         rows, counts_e, meta = dispatch(x, routing)
-        seen.update(counts_e=counts_e.tolist(), send=list(meta.send_splits), recv=list(meta.recv_splits))
+        seen.update(counts_e=counts_e.tolist(),  # NOTE: device-to-host sync (test probe)
+                    send=list(meta.send_splits), recv=list(meta.recv_splits))
         return rows, counts_e, meta
 
     layer.dispatcher.dispatch = recording

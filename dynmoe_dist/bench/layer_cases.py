@@ -144,7 +144,7 @@ def build_case(spec: CaseSpec, num_rows: Optional[int] = None) -> Tuple[Callable
     info = {"mean_k": calibrate_top_any(layer, x_TD, spec.k) if router == "top_any" else float(spec.k)}
     with torch.no_grad():
         counts_E = layer(x_TD).routing.mask.sum(dim=0)
-    info["max_expert_rows"] = int(counts_E.max())
+    info["max_expert_rows"] = int(counts_E.max())  # NOTE: device-to-host sync (setup, untimed)
     if spec.case == "dense_dispatch":
         forward = lambda: dense_dispatch_forward(layer, x_TD)[:2]  # noqa: E731
         return moe_step(layer, x_TD, grad_TD, forward), info
@@ -162,6 +162,7 @@ def check_reference(spec: CaseSpec) -> dict:
     reference = _output_and_input_grad(lambda: dense_dispatch_forward(layer, x_TD)[:2], x_TD, grad_TD)
     for mine, theirs in zip(ours, reference):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+    # NOTE: device-to-host sync (the untimed reference check)
     return {
         "tokens": spec.tokens,
         "output_max_abs_diff": float((ours[0] - reference[0]).abs().max()),

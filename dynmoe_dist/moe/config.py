@@ -12,7 +12,8 @@ from typing import Any, Optional, Tuple, Union, get_args, get_origin
 
 ROUTERS = ("top_any", "top_k", "top_p")
 AUX_LOSSES = ("diverse", "simple", "load_balance", "efficiency", "switch", "entropy")
-ACTIVATIONS = ("gelu", "relu", "silu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
+EXPERT_KINDS = ("ffn", "gated")
 TRAIN_K0_MODES = ("zero", "top1")
 EVAL_K0_MODES = ("top1", "skip")
 EXPERT_COMPUTE = ("auto", "grouped_mm", "loop")
@@ -137,7 +138,11 @@ class MoEConfig:
     aux_losses: Optional[Tuple[str, ...]] = None
     """Auxiliary losses that are on; None means the router's default (see DEFAULT_AUX)."""
     activation: str = "gelu"
-    """Expert activation: 'gelu', 'relu' or 'silu'."""
+    """Expert activation: 'gelu' (erf), 'gelu_tanh' (GPT-2's gelu_new), 'relu' or 'silu'. Upcycling takes
+    it from the dense block."""
+    expert_kind: str = "ffn"
+    """Expert block: 'ffn' (act(x W_in) W_out) or 'gated' (LLaMA/Qwen2/Mistral: (act(x W_gate) * x W_in) W_out).
+    Upcycling takes it from the dense block."""
     expert_bias: bool = True
     """Whether expert linear layers carry biases (True matches BERT-style dense blocks)."""
     train_k0: str = "zero"
@@ -190,10 +195,12 @@ class MoEConfig:
         for name in self.aux_losses:
             _require(name in AUX_LOSSES, f"aux_losses entry ({name!r}) must be one of {AUX_LOSSES}")
         # top-any scores are independent sigmoids, not a distribution: their "entropy" means nothing.
-        if self.router == "top_any" and "entropy" in self.aux_losses:
+        if self.router == "top_any" and "entropy" in (self.aux_losses or ()):
             raise ValueError("aux_losses entry ('entropy') needs a softmax router (top_k or top_p), "
                              f"router is {self.router!r}")
         _require(self.activation in ACTIVATIONS, f"activation ({self.activation!r}) must be one of {ACTIVATIONS}")
+        _require(self.expert_kind in EXPERT_KINDS,
+                 f"expert_kind ({self.expert_kind!r}) must be one of {EXPERT_KINDS}")
         _require(self.train_k0 in TRAIN_K0_MODES, f"train_k0 ({self.train_k0!r}) must be one of {TRAIN_K0_MODES}")
         _require(self.eval_k0 in EVAL_K0_MODES, f"eval_k0 ({self.eval_k0!r}) must be one of {EVAL_K0_MODES}")
         _require(

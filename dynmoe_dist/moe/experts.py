@@ -7,11 +7,17 @@ Each expert is its own module with its own parameters, so that an expert can be 
 moved between ranks together with *its own* optimizer state (Adam's step count included): a stacked
 (E, D, F) parameter would force one shared step count on a freshly added expert. The grouped-matmul
 path stacks the weights per call; that copy is small next to the matmuls it feeds.
+
+Two expert kinds share the bank (``MoEConfig.expert_kind``): 'ffn' (``FeedForward``: act(x W_in) W_out,
+BERT/GPT-2/ViT style) and 'gated' (``GatedFeedForward``: (act(x W_gate) * x W_in) W_out, the
+LLaMA/Qwen2/Mistral gate_proj/up_proj/down_proj block). Everything that moves or saves experts goes
+through ``new_expert`` and ``expert_param_specs``, so migration, replication and checkpoints handle both.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, List, Sequence
+import functools
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.nn as nn
@@ -21,7 +27,9 @@ from torch import Tensor
 from ..kernels.grouped_gemm import grouped_mm
 from .config import MoEConfig
 
-ACTIVATION_FNS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
+# 'gelu_tanh' is GPT-2's gelu_new / HF's gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+ACTIVATION_FNS: Dict[str, Callable[[Tensor], Tensor]] = {
+    "gelu": F.gelu, "relu": F.relu, "silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
 class FeedForward(nn.Module):
@@ -45,13 +53,43 @@ class FeedForward(nn.Module):
         return F.linear(hidden_RF, self.w_out.to(dtype), _cast(self.b_out, dtype))
 
 
-def _cast(t, dtype):
+class GatedFeedForward(nn.Module):
+    """Gated block (LLaMA's MLP): w_out (act(w_gate x) * (w_in x)); nn.Linear layout, optional biases.
+
+    w_gate is gate_proj, w_in up_proj, w_out down_proj. The up projection keeps FeedForward's name so
+    code reading ``w_in.shape`` for (F, D) works on both kinds."""
+
+    def __init__(self, dim: int, ffn_dim: int, *, bias: bool = False, activation: str = "silu",
+                 init_std: float = 0.02):
+        super().__init__()
+        self.activation = activation
+        self.w_gate = nn.Parameter(torch.empty(ffn_dim, dim).normal_(0.0, init_std))
+        self.w_in = nn.Parameter(torch.empty(ffn_dim, dim).normal_(0.0, init_std))
+        self.w_out = nn.Parameter(torch.empty(dim, ffn_dim).normal_(0.0, init_std))
+        self.b_gate = nn.Parameter(torch.zeros(ffn_dim)) if bias else None
+        self.b_in = nn.Parameter(torch.zeros(ffn_dim)) if bias else None
+        self.b_out = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def forward(self, rows_RD: Tensor) -> Tensor:
+        dtype = rows_RD.dtype
+        gate_RF = F.linear(rows_RD, self.w_gate.to(dtype), _cast(self.b_gate, dtype))
+        up_RF = F.linear(rows_RD, self.w_in.to(dtype), _cast(self.b_in, dtype))
+        hidden_RF = ACTIVATION_FNS[self.activation](gate_RF) * up_RF
+        return F.linear(hidden_RF, self.w_out.to(dtype), _cast(self.b_out, dtype))
+
+
+Expert = Union[FeedForward, GatedFeedForward]
+EXPERT_CLASSES: Dict[str, Union[Type[FeedForward], Type[GatedFeedForward]]] = {
+    "ffn": FeedForward, "gated": GatedFeedForward}
+
+
+def _cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     return None if t is None else t.to(dtype)
 
 
-def new_expert(config: MoEConfig) -> FeedForward:
-    return FeedForward(config.dim, config.ffn_dim, bias=config.expert_bias,
-                     activation=config.activation, init_std=config.init_std)
+def new_expert(config: MoEConfig) -> Expert:
+    return EXPERT_CLASSES[config.expert_kind](config.dim, config.ffn_dim, bias=config.expert_bias,
+                                              activation=config.activation, init_std=config.init_std)
 
 
 def autocast_rows(rows_RD: Tensor) -> Tensor:
@@ -63,7 +101,7 @@ def autocast_rows(rows_RD: Tensor) -> Tensor:
     return rows_RD
 
 
-def expert_param_specs(config: MoEConfig) -> List[tuple]:
+def expert_param_specs(config: MoEConfig) -> List[Tuple[str, torch.Size]]:
     """(name, shape) of one expert's parameters, in parameters() order (built on the meta device)."""
     with torch.device("meta"):
         return [(name, p.shape) for name, p in new_expert(config).named_parameters()]
@@ -86,10 +124,15 @@ def use_grouped_mm(mode: str, rows_RD: Tensor) -> bool:
 class ExpertBank(nn.Module):
     """The local experts of one MoE layer, in local-slot order."""
 
-    def __init__(self, config: MoEConfig, experts: Iterable[FeedForward]):
+    def __init__(self, config: MoEConfig, experts: Iterable[Expert]):
         super().__init__()
         self.config = config
         self.experts = nn.ModuleList(experts)
+        want = EXPERT_CLASSES[config.expert_kind]
+        for expert in self.experts:
+            if not isinstance(expert, want):
+                raise ValueError(f"expert_kind ({config.expert_kind!r}) needs {want.__name__} experts, "
+                                 f"got {type(expert).__name__}")
         # Sharded experts (FSDP over the expert-dp group) gather their weights inside their own forward:
         # every rank must then call every local expert every step, also on zero rows, or the ranks'
         # collectives stop lining up and hang. Set by dynmoe_dist.parallel.fsdp.
@@ -102,19 +145,22 @@ class ExpertBank(nn.Module):
     def __len__(self) -> int:
         return len(self.experts)
 
-    def forward(self, rows_RD: Tensor, counts_e: Tensor) -> Tensor:
+    def forward(self, rows_RD: Tensor, counts_e: Tensor, sizes_e: Optional[Sequence[int]] = None) -> Tensor:
+        """``sizes_e``: the same counts as Python ints when the dispatcher has already read them
+        (then the per-expert loop needs no host sync of its own)."""
         rows_RD = autocast_rows(rows_RD)
         if self.run_every_expert:
-            return self._loop(rows_RD, counts_e)
+            return self._loop(rows_RD, counts_e, sizes_e)
         if len(self.experts) == 0 or rows_RD.shape[0] == 0:
             return 0.0 * rows_RD  # zeros that stay in the graph: the backward exchange must still run
         if use_grouped_mm(self.config.expert_compute, rows_RD):
             return self._grouped(rows_RD, counts_e)
-        return self._loop(rows_RD, counts_e)
+        return self._loop(rows_RD, counts_e, sizes_e)
 
-    def _loop(self, rows_RD: Tensor, counts_e: Tensor) -> Tensor:
-        # NOTE: device-to-host sync (segment sizes)
-        segments = torch.split(rows_RD, counts_e.tolist())
+    def _loop(self, rows_RD: Tensor, counts_e: Tensor, sizes_e: Optional[Sequence[int]] = None) -> Tensor:
+        # NOTE: device-to-host sync (segment sizes) unless the dispatcher passed them
+        sizes = list(sizes_e) if sizes_e is not None else counts_e.tolist()
+        segments = torch.split(rows_RD, sizes)
         outs = [expert(seg) for expert, seg in zip(self.experts, segments)
                 if seg.shape[0] > 0 or self.run_every_expert]
         if not outs:
@@ -122,19 +168,25 @@ class ExpertBank(nn.Module):
         return torch.cat(outs)
 
     def _grouped(self, rows_RD: Tensor, counts_e: Tensor) -> Tensor:
-        dtype = rows_RD.dtype
         offs_e = torch.cumsum(counts_e, 0).to(torch.int32)
-        slot_R = torch.repeat_interleave(torch.arange(len(self.experts), device=rows_RD.device), counts_e)
-        w_in_eDF = torch.stack([e.w_in.t() for e in self.experts]).to(dtype)
-        w_out_eFD = torch.stack([e.w_out.t() for e in self.experts]).to(dtype)
-        hidden_RF = grouped_mm(rows_RD, w_in_eDF, offs_e)
+        slot_R = torch.repeat_interleave(torch.arange(len(self.experts), device=rows_RD.device), counts_e,
+                                         output_size=rows_RD.shape[0])  # the size is known: no sync
+        act = ACTIVATION_FNS[self.config.activation]  # one config for the whole bank
+        hidden_RF = self._project(rows_RD, "w_in", "b_in", offs_e, slot_R)
+        if self.config.expert_kind == "gated":
+            hidden_RF = act(self._project(rows_RD, "w_gate", "b_gate", offs_e, slot_R)) * hidden_RF
+        else:
+            hidden_RF = act(hidden_RF)
+        return self._project(hidden_RF, "w_out", "b_out", offs_e, slot_R)
+
+    def _project(self, rows_RK: Tensor, weight: str, bias: str, offs_e: Tensor, slot_R: Tensor) -> Tensor:
+        """rows @ W_e^T (+ b_e) for every segment, one grouped matmul over the stacked (e, K, N) weights."""
+        dtype = rows_RK.dtype
+        w_eKN = torch.stack([getattr(e, weight).t() for e in self.experts]).to(dtype)
+        out_RN: Tensor = grouped_mm(rows_RK, w_eKN, offs_e)
         if self.config.expert_bias:
-            hidden_RF = hidden_RF + torch.stack([e.b_in for e in self.experts]).to(dtype)[slot_R]
-        hidden_RF = ACTIVATION_FNS[self.config.activation](hidden_RF)
-        out_RD = grouped_mm(hidden_RF, w_out_eFD, offs_e)
-        if self.config.expert_bias:
-            out_RD = out_RD + torch.stack([e.b_out for e in self.experts]).to(dtype)[slot_R]
-        return out_RD
+            out_RN = out_RN + torch.stack([getattr(e, bias) for e in self.experts]).to(dtype)[slot_R]
+        return out_RN
 
     # -- growing and shrinking for real: absent experts cost no memory and no compute -------------
     def keep(self, local_slots: Sequence[int]) -> None:
@@ -145,8 +197,8 @@ class ExpertBank(nn.Module):
         self.experts = nn.ModuleList(experts)
 
 
-def reference_forward(experts: Sequence[FeedForward], rows_RD: Tensor, counts_e: Tensor) -> Tensor:
+def reference_forward(experts: Sequence[Expert], rows_RD: Tensor, counts_e: Tensor) -> Tensor:
     """Plain per-row loop: row r goes through the expert whose segment holds it. Tests only."""
-    slot_R = torch.repeat_interleave(torch.arange(len(experts)), counts_e.cpu())
+    slot_R = torch.repeat_interleave(torch.arange(len(experts)), counts_e.cpu())  # NOTE: device-to-host sync
     outs = [experts[int(s)](rows_RD[r : r + 1]) for r, s in enumerate(slot_R)]
     return torch.cat(outs) if outs else rows_RD.new_zeros(rows_RD.shape)

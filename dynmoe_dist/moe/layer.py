@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Protocol, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 import torch.nn as nn
@@ -35,9 +35,20 @@ class MoEOutput:
 
 
 class Dispatcher(Protocol):
-    def dispatch(self, x_TD: Tensor, routing: Routing) -> Tuple[Tensor, Tensor, object]: ...
+    """dispatch returns (rows, counts per local expert, metadata); combine consumes that metadata, whose
+    type is the dispatcher's own (LocalMeta, A2AMeta)."""
 
-    def combine(self, rows_RD: Tensor, meta: object) -> Tensor: ...
+    def dispatch(self, x_TD: Tensor, routing: Routing) -> Tuple[Tensor, Tensor, Any]: ...
+
+    def combine(self, rows_RD: Tensor, meta: Any) -> Tensor: ...
+
+
+class Reducer(Protocol):
+    """Sums the aux losses' token statistics over the data ranks; ``loss_scale`` keeps their sum exact."""
+
+    loss_scale: float
+
+    def sum(self, t: Tensor) -> Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -45,15 +56,17 @@ class LocalMeta:
     token_R: Tensor
     weight_R: Tensor
     num_tokens: int
+    sizes_e: Optional[Tuple[int, ...]] = None
+    """Rows per expert as Python ints (read once in routed_pairs), for the per-expert loop."""
 
 
 class LocalDispatcher:
     """All experts live in this process: permute, and combine with an index-add."""
 
-    def dispatch(self, x_TD: Tensor, routing: Routing):
+    def dispatch(self, x_TD: Tensor, routing: Routing) -> Tuple[Tensor, Tensor, LocalMeta]:
         pairs = routed_pairs(routing)
         rows_RD = gather_rows(x_TD, pairs.token_R)
-        return rows_RD, pairs.counts_E, LocalMeta(pairs.token_R, pairs.weight_R, x_TD.shape[0])
+        return rows_RD, pairs.counts_E, LocalMeta(pairs.token_R, pairs.weight_R, x_TD.shape[0], pairs.sizes_E)
 
     def combine(self, rows_RD: Tensor, meta: LocalMeta) -> Tensor:
         return combine_rows(rows_RD, meta.token_R, meta.weight_R, meta.num_tokens)
@@ -138,13 +151,13 @@ def find_moe_layers(model: nn.Module) -> List[Tuple[str, "MoELayer"]]:
 
 
 class MoELayer(nn.Module):
-    def __init__(self, config: MoEConfig, experts: ExpertBank = None):
+    def __init__(self, config: MoEConfig, experts: Optional[ExpertBank] = None):
         super().__init__()
         self.config = config
         self.router = TopAnyRouter(config) if config.router == "top_any" else SoftmaxRouter(config)
         self.experts = experts if experts is not None else ExpertBank.fresh(config, config.num_experts)
         self.dispatcher: Dispatcher = LocalDispatcher()
-        self.reducer = LocalReducer()
+        self.reducer: Reducer = LocalReducer()
         # Observers see every routing decision (the adaptive-expert recorder hooks in here).
         self.routing_observers: List[RoutingObserver] = []
 
@@ -158,7 +171,8 @@ class MoELayer(nn.Module):
         x_TD = x.reshape(-1, self.config.dim)
         routing = self.router(x_TD, self.training)
         rows_RD, counts_e, meta = self.dispatcher.dispatch(x_TD, routing)
-        rows_RD = self.experts(rows_RD, counts_e)
+        # A dispatcher that has read the expert counts already hands them over (no second host sync).
+        rows_RD = self.experts(rows_RD, counts_e, getattr(meta, "sizes_e", None))
         out_TD = self.dispatcher.combine(rows_RD, meta)
         if not is_recomputing():
             for observe in self.routing_observers:

@@ -7,15 +7,23 @@ Shape legend: T tokens, D model dim, E experts, R routed pairs (= sum_t k_t), S 
 ``routed_pairs`` lists the selected pairs in expert-major order straight from the mask (nonzero of
 the transposed mask is already sorted by expert, then token), so the single-process path needs no
 sort at all. Expert parallelism maps experts (and replicas) to destination slots and sorts by slot.
+
+Host syncs: ``routed_pairs`` reads the per-expert counts once (the number of routed rows is data
+dependent under top-any, so one read per layer forward is the floor); everything after it takes its
+sizes from that read (``nonzero_static``, ``repeat_interleave(output_size=...)``) or from tensors of
+known size (counts by ``index_add_``, not ``bincount``, which reads the maximum back on CUDA).
+Gather and combine run fused Triton kernels on CUDA when available (dynmoe_dist.kernels.select).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Tuple
 
 import torch
 from torch import Tensor
 
+from ..kernels import select as kernel_select
 from .routing import Routing
 
 
@@ -26,23 +34,38 @@ class RoutedPairs:
     weight_R: Tensor
     counts_E: Tensor
     """Rows per expert (long, E)."""
+    sizes_E: Tuple[int, ...] = ()
+    """The same counts as Python ints (read once): segment sizes for the per-expert loop."""
 
 
-def routed_pairs(routing: Routing) -> RoutedPairs:
-    """All selected (token, expert) pairs, grouped by expert, tokens ascending within an expert."""
-    expert_R, token_R = routing.mask.t().nonzero(as_tuple=True)
+def routed_pairs(routing: Routing, counts_E: Tensor = None, sizes_E: Tuple[int, ...] = None) -> RoutedPairs:
+    """All selected (token, expert) pairs, grouped by expert, tokens ascending within an expert.
+    A caller that has read the counts already (with other sizes, in one read) passes them in."""
+    if sizes_E is None:
+        counts_E = routing.mask.sum(dim=0)
+        sizes_E = tuple(counts_E.tolist())  # NOTE: device-to-host sync (the routed-row count, once per layer)
+    elif counts_E is None:
+        raise ValueError("routed_pairs: sizes_E given without counts_E")
+    # nonzero_static with the size just read: plain nonzero would read the count back a second time.
+    index_R2 = torch.nonzero_static(routing.mask.t(), size=sum(sizes_E))
+    expert_R, token_R = index_R2[:, 0], index_R2[:, 1]
     weight_R = routing.weights[token_R, expert_R]
-    counts_E = routing.mask.sum(dim=0)
-    return RoutedPairs(token_R, expert_R, weight_R, counts_E)
+    return RoutedPairs(token_R, expert_R, weight_R, counts_E, sizes_E)
 
 
 def gather_rows(x_TD: Tensor, token_R: Tensor) -> Tensor:
-    """rows_RD[r] = x_TD[token_R[r]] (autograd scatters the gradient back with index_add)."""
+    """rows_RD[r] = x_TD[token_R[r]] (the gradient is scattered back with an index-add)."""
+    kernels = kernel_select.permute_kernels(x_TD)
+    if kernels is not None:
+        return kernels.gather_rows(x_TD, token_R)
     return x_TD.index_select(0, token_R)
 
 
 def combine_rows(rows_RD: Tensor, token_R: Tensor, weight_R: Tensor, num_tokens: int) -> Tensor:
     """out_TD[t] = sum over rows r of token t of weight_R[r] * rows_RD[r]; tokens with no row get 0."""
+    kernels = kernel_select.permute_kernels(rows_RD)
+    if kernels is not None:
+        return kernels.combine_rows(rows_RD, token_R, weight_R, num_tokens)
     return _WeightedIndexAdd.apply(rows_RD, token_R, weight_R, num_tokens)
 
 
@@ -87,6 +110,16 @@ def replica_index(counts_E: Tensor, expert_R: Tensor, num_replicas_E: Tensor) ->
     return torch.div(position_R * num_replicas_E[expert_R], count_R, rounding_mode="floor")
 
 
+def replica_row_counts(counts_E: Tensor, num_replicas_E: Tensor, max_replicas: int) -> Tensor:
+    """(E, max_replicas) rows that replica_index gives each replica, from the counts alone (on the
+    device, no per-row data): replica r of expert e takes the rows j with floor(j n / c) = r, i.e.
+    j in [ceil(r c / n), ceil((r + 1) c / n)); 0 for r >= n."""
+    r_1M = torch.arange(max_replicas, device=counts_E.device).unsqueeze(0)
+    c_E1, n_E1 = counts_E.unsqueeze(-1), num_replicas_E.unsqueeze(-1)
+    ceil = lambda a: torch.div(a + n_E1 - 1, n_E1, rounding_mode="floor")  # noqa: E731
+    return (ceil((r_1M + 1) * c_E1) - ceil(r_1M * c_E1)) * (r_1M < n_E1)
+
+
 def sort_by_slot(slot_R: Tensor, num_slots: int):
     """Stable argsort of rows by destination slot, plus rows per slot.
 
@@ -94,8 +127,14 @@ def sort_by_slot(slot_R: Tensor, num_slots: int):
     expert-major, token-ascending order, which makes the layout deterministic.
     """
     order_R = torch.argsort(slot_R, stable=True)
-    counts_S = torch.bincount(slot_R, minlength=num_slots)
-    return order_R, counts_S
+    return order_R, count_values(slot_R, num_slots)
+
+
+def count_values(index_R: Tensor, num_bins: int) -> Tensor:
+    """bincount with a known number of bins (long): an index_add_, which never reads back to the host
+    (CUDA bincount reads the maximum to size its output)."""
+    ones_R = torch.ones_like(index_R)
+    return torch.zeros(num_bins, dtype=index_R.dtype, device=index_R.device).index_add_(0, index_R, ones_R)
 
 
 def inverse_permutation(order_R: Tensor) -> Tensor:

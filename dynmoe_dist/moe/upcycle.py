@@ -9,30 +9,30 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
-from typing import Iterable, List, Optional, Tuple
+from typing import Any, Iterable, List, Optional, Tuple
 
 import torch.nn as nn
 
 from .config import MoEConfig
-from .experts import ExpertBank, FeedForward
+from .experts import EXPERT_CLASSES, Expert, ExpertBank, FeedForward, GatedFeedForward
 from .layer import MoELayer
 
 
-def dense_blocks(model: nn.Module) -> List[Tuple[str, FeedForward]]:
-    """(qualified name, module) of every dense FeedForward that is not already an expert."""
-    found = []
+def dense_blocks(model: nn.Module) -> List[Tuple[str, Expert]]:
+    """(qualified name, module) of every dense FeedForward / GatedFeedForward that is not already an expert."""
+    found: List[Tuple[str, Expert]] = []
     for name, module in model.named_modules():
-        if isinstance(module, FeedForward) and ".experts.experts." not in f".{name}":
+        if isinstance(module, (FeedForward, GatedFeedForward)) and ".experts.experts." not in f".{name}":
             found.append((name, module))
     return found
 
 
 def upcycle(model: nn.Module, config: Optional[MoEConfig] = None, *,
-            layers: Optional[Iterable[int]] = None, **overrides) -> nn.Module:
+            layers: Optional[Iterable[int]] = None, **overrides: Any) -> nn.Module:
     """Replace the chosen dense FFNs of ``model`` in place by MoE layers; returns the model.
 
     ``config`` (or keyword ``overrides`` of MoEConfig fields) sets the routing; ``dim``, ``ffn_dim``,
-    ``activation`` and ``expert_bias`` are always taken from the dense block being copied.
+    ``activation``, ``expert_kind`` and ``expert_bias`` are always taken from the dense block being copied.
     """
     blocks = dense_blocks(model)
     chosen = list(range(len(blocks))) if layers is None else list(layers)
@@ -49,8 +49,9 @@ def upcycle(model: nn.Module, config: Optional[MoEConfig] = None, *,
     return model
 
 
-def upcycled_layer(dense: FeedForward, config: MoEConfig) -> MoELayer:
-    layer_config = replace(config, dim=dense.w_in.shape[1], ffn_dim=dense.w_in.shape[0],
+def upcycled_layer(dense: Expert, config: MoEConfig) -> MoELayer:
+    kind = next(k for k, cls in EXPERT_CLASSES.items() if isinstance(dense, cls))
+    layer_config = replace(config, dim=dense.w_in.shape[1], ffn_dim=dense.w_in.shape[0], expert_kind=kind,
                            activation=dense.activation, expert_bias=dense.b_in is not None)
     experts = ExpertBank(layer_config, [copy.deepcopy(dense) for _ in range(layer_config.num_experts)])
     # A fresh module starts in training mode; upcycling a model in eval mode must not leave this one

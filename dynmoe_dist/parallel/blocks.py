@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Tuple
 
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -32,7 +32,7 @@ def _contexts() -> Tuple[Any, Any]:
     return contextlib.nullcontext(), recomputing()
 
 
-def _checkpointed(forward, *args, **kwargs):
+def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
 
 

@@ -18,14 +18,15 @@ the frozen ``A2AMeta``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..moe.experts import autocast_rows
-from ..moe.permute import combine_rows, inverse_permutation, replica_index, routed_pairs, sort_by_slot
+from ..moe.permute import (combine_rows, inverse_permutation, replica_index, replica_row_counts, routed_pairs,
+                           sort_by_slot)
 from ..moe.routing import Routing
 from .groups import ParallelGroups, named
 from .shard import SlotTables
@@ -120,6 +121,8 @@ class A2AMeta:
     local_order_Q: Tensor
     """Received row i of the expert-contiguous layout was row local_order_Q[i] of the wire layout."""
     num_tokens: int
+    sizes_e: Optional[Tuple[int, ...]] = None
+    """Rows received per local slot as Python ints (from the split-size read)."""
 
 
 class AllToAllDispatcher:
@@ -139,23 +142,31 @@ class AllToAllDispatcher:
 
     def dispatch(self, x_TD: Tensor, routing: Routing):
         t = self.tables
-        pairs = routed_pairs(routing)
-        replica_R = replica_index(pairs.counts_E, pairs.expert_R, t.num_replicas_E)
-        slot_R = t.slot_ER[pairs.expert_R, replica_R]
-        order_R, counts_S = sort_by_slot(slot_R, t.num_slots)
-        token_R = pairs.token_R[order_R]
-        rows_RD = autocast_rows(x_TD).index_select(0, token_R)
+        # Per-slot counts follow from the expert counts alone, so the count exchange runs before any
+        # host read, and one read brings every size: expert counts, send and receive splits.
+        counts_E = routing.mask.sum(dim=0)
+        counts_S = self._slot_counts(counts_E)
         recv_counts_We = self._exchange_counts(counts_S)
         send_W = counts_S.new_zeros(self.groups.ep_size).index_add_(0, t.rank_of_slot_S, counts_S)
-        # NOTE: device-to-host sync (split sizes must be Python ints for all_to_all_single)
-        splits = torch.cat([send_W, recv_counts_We.sum(dim=1)]).tolist()
-        send_splits, recv_splits = splits[: self.groups.ep_size], splits[self.groups.ep_size:]
+        # NOTE: device-to-host sync (split sizes must be Python ints for all_to_all_single): the one
+        # read of this layer forward; routed_pairs and the expert loop reuse it.
+        W, E, e = self.groups.ep_size, counts_E.shape[0], recv_counts_We.shape[1]
+        sizes = torch.cat([counts_E, send_W, recv_counts_We.reshape(-1)]).tolist()
+        send_splits = sizes[E: E + W]
+        recv_We = [sizes[E + W + i * e: E + W + (i + 1) * e] for i in range(W)]
+        recv_splits = [sum(row) for row in recv_We]
+        pairs = routed_pairs(routing, counts_E, tuple(sizes[:E]))
+        replica_R = replica_index(pairs.counts_E, pairs.expert_R, t.num_replicas_E)
+        slot_R = t.slot_ER[pairs.expert_R, replica_R]
+        order_R, _ = sort_by_slot(slot_R, t.num_slots)
+        token_R = pairs.token_R[order_R]
+        rows_RD = autocast_rows(x_TD).index_select(0, token_R)
         recv_QD = all_to_all(ensure_grad(rows_RD), recv_splits, send_splits, self.groups,
                              f"{self.name} dispatch all_to_all_single")
-        local_order_Q, counts_e = _expert_contiguous_order(recv_counts_We)
+        local_order_Q, counts_e = _expert_contiguous_order(recv_counts_We, sum(recv_splits))
         self._count(rows_RD, send_splits, recv_splits)
         meta = A2AMeta(token_R, pairs.weight_R[order_R], send_splits, recv_splits, local_order_Q,
-                       x_TD.shape[0])
+                       x_TD.shape[0], tuple(sum(column) for column in zip(*recv_We)))
         return recv_QD.index_select(0, local_order_Q), counts_e, meta
 
     def combine(self, rows_QD: Tensor, meta: A2AMeta) -> Tensor:
@@ -163,6 +174,14 @@ class AllToAllDispatcher:
         back_RD = all_to_all(ensure_grad(wire_QD), meta.send_splits, meta.recv_splits, self.groups,
                              f"{self.name} combine all_to_all_single")
         return combine_rows(back_RD, meta.token_R, meta.weight_R, meta.num_tokens)
+
+    def _slot_counts(self, counts_E: Tensor) -> Tensor:
+        """Rows this rank sends to each global slot (what sort_by_slot would count), from the counts."""
+        t = self.tables
+        per_replica_ER = replica_row_counts(counts_E, t.num_replicas_E, t.slot_ER.shape[1])
+        # Padding entries (slot -1) carry 0 rows: add them to slot 0 instead of masking (no host read).
+        return counts_E.new_zeros(t.num_slots).index_add_(0, t.slot_ER.clamp(min=0).reshape(-1),
+                                                          per_replica_ER.reshape(-1))
 
     def _exchange_counts(self, counts_S: Tensor) -> Tensor:
         """Send each rank the row counts of its own slots; returns (W, e) counts received."""
@@ -182,11 +201,12 @@ class AllToAllDispatcher:
         self.comm.calls += 1
 
 
-def _expert_contiguous_order(recv_counts_We: Tensor):
-    """Rows arrive source-major (then slot); return the stable order that makes them slot-major."""
+def _expert_contiguous_order(recv_counts_We: Tensor, num_received: int):
+    """Rows arrive source-major (then slot); return the stable order that makes them slot-major.
+    ``num_received`` (already read with the split sizes) spares repeat_interleave a host sync."""
     W, e = recv_counts_We.shape
     slot_of_block = torch.arange(e, device=recv_counts_We.device).repeat(W)
-    slot_Q = torch.repeat_interleave(slot_of_block, recv_counts_We.reshape(-1))
+    slot_Q = torch.repeat_interleave(slot_of_block, recv_counts_We.reshape(-1), output_size=num_received)
     order_Q, counts_e = sort_by_slot(slot_Q, e)
     return order_Q, counts_e
 

@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn as nn
 from torch import Tensor
+from torch.optim import Optimizer
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -94,7 +95,7 @@ def shard_dense(model: nn.Module, shards: Sequence[LayerShard], sharding: Shardi
     _no_divide(model)
 
 
-def shard_experts(shards: Sequence[LayerShard], sharding: Sharding, optimizer=None) -> None:
+def shard_experts(shards: Sequence[LayerShard], sharding: Sharding, optimizer: Optional[Optimizer] = None) -> None:
     """fully_shard each local expert over the expert-dp group. Optimizer state held for the plain
     parameters (after an event or a resume) is sharded the same way onto the new parameters."""
     if not sharding.experts:
@@ -114,7 +115,7 @@ def shard_experts(shards: Sequence[LayerShard], sharding: Sharding, optimizer=No
                         optimizer.state[new] = {k: shard_like(v, new) if k != "step" else v for k, v in state.items()}
 
 
-def unshard_experts(shards: Sequence[LayerShard], sharding: Sharding, optimizer) -> None:
+def unshard_experts(shards: Sequence[LayerShard], sharding: Sharding, optimizer: Optimizer) -> None:
     """Replace every sharded expert by a plain module with its full weights and full Adam state
     (collective over each expert-dp group, in slot order on every rank)."""
     if not sharding.experts:

@@ -14,13 +14,12 @@ Which expert is where comes from the layers' ``LayerShard`` records, passed in o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..moe.experts import expert_param_shapes
 from .fsdp import is_sharded, local
@@ -28,11 +27,11 @@ from .groups import ParallelGroups, named, sum_over_ranks
 from .shard import LayerShard
 
 
-def expert_param_ids(shards: Sequence[LayerShard]) -> set:
+def expert_param_ids(shards: Sequence[LayerShard]) -> Set[int]:
     return {id(p) for shard in shards for p in shard.layer.experts.parameters()}
 
 
-def trainable(params) -> List[Tensor]:
+def trainable(params: Iterable[Tensor]) -> List[Tensor]:
     return [p for p in params if p.requires_grad]
 
 
@@ -42,13 +41,22 @@ def fill_missing_grads(params: List[Tensor]) -> None:
             p.grad = torch.zeros_like(p)
 
 
-def all_reduce_flat(tensors: List[Tensor], group, groups: ParallelGroups, what: str) -> None:
+def flatten(tensors: Sequence[Tensor]) -> Tensor:
+    """One contiguous buffer (one collective instead of one per tensor)."""
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def unflatten(flat: Tensor, like: Sequence[Tensor]) -> List[Tensor]:
+    return [part.view_as(t) for part, t in zip(torch.split(flat, [t.numel() for t in like]), like)]
+
+
+def all_reduce_flat(tensors: List[Tensor], group: Any, groups: ParallelGroups, what: str) -> None:
     if not tensors:
         return
-    flat = _flatten_dense_tensors(tensors)
+    flat = flatten(tensors)
     with named(what, groups):
         dist.all_reduce(flat, group=group)
-    for t, synced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+    for t, synced in zip(tensors, unflatten(flat, tensors)):
         t.copy_(synced)
 
 
@@ -123,7 +131,7 @@ class GradSync:
                     grads = [like.new_zeros(s) for s in self._local_shapes(shard)]
                 else:
                     mine[len(buffers)] = grads
-                buffers.append(_flatten_dense_tensors(grads))
+                buffers.append(flatten(grads))
         if not buffers:
             return
         flat = torch.cat(buffers)
@@ -133,7 +141,7 @@ class GradSync:
         for index, grads in mine.items():
             offset = sum(b.numel() for b in buffers[:index])
             synced = flat[offset: offset + buffers[index].numel()]
-            for g, s in zip(grads, _unflatten_dense_tensors(synced, grads)):
+            for g, s in zip(grads, unflatten(synced, grads)):
                 g.copy_(s)
 
     def _local_shapes(self, shard: LayerShard) -> List[torch.Size]:

@@ -15,7 +15,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, List, Optional
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -97,7 +97,7 @@ def current_world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else world_from_env()
 
 
-def init_groups(parallel_config) -> ParallelGroups:
+def init_groups(parallel_config: Any) -> ParallelGroups:
     """Join (or start) the default process group and build the ep and expert-dp groups.
 
     Everything that can be checked without communication is checked first, so a bad setting fails on
@@ -120,10 +120,10 @@ def init_groups(parallel_config) -> ParallelGroups:
         else:
             dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world_size,
                                     timeout=timeout, device_id=device_id)
-    return build_groups(ep_size, device, parallel_config.timeout_s)
+    return build_groups(ep_size, device, float(parallel_config.timeout_s))
 
 
-def elastic_attempt_store(timeout: timedelta):
+def elastic_attempt_store(timeout: timedelta) -> Optional[Any]:
     """Under torchrun with restarts, the agent's store outlives a failed attempt, and the keys that
     process groups (the subgroups especially) rendezvous through keep their old names: a restarted
     rank can read a dead peer's address and fail to connect. Prefixing the store with the attempt
@@ -131,12 +131,13 @@ def elastic_attempt_store(timeout: timedelta):
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
         return None
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                           timeout=timeout)
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           is_master=False, timeout=timeout)
     return dist.PrefixStore(f"dynmoe/attempt_{attempt}", client)
 
 
-def build_groups(ep_size: int, device: torch.device = torch.device("cpu"), timeout_s: float = 120.0):
+def build_groups(ep_size: int, device: torch.device = torch.device("cpu"),
+                 timeout_s: float = 120.0) -> ParallelGroups:
     """ParallelGroups for an initialised default group (collective: call on every rank)."""
     world_size, rank = dist.get_world_size(), dist.get_rank()
     ep_size = resolve_ep_size(ep_size, world_size)
@@ -145,7 +146,7 @@ def build_groups(ep_size: int, device: torch.device = torch.device("cpu"), timeo
                           timeout_s)
 
 
-def _subgroups(world_size: int, ep_size: int, rank: int, timeout_s: float):
+def _subgroups(world_size: int, ep_size: int, rank: int, timeout_s: float) -> Tuple[Any, Any]:
     """new_group is collective over the world: every rank creates every group, in the same order."""
     dp_size = world_size // ep_size
     timeout = timedelta(seconds=timeout_s)
@@ -162,7 +163,7 @@ def _subgroups(world_size: int, ep_size: int, rank: int, timeout_s: float):
 
 
 @contextlib.contextmanager
-def named(what: str, groups: Optional[ParallelGroups] = None):
+def named(what: str, groups: Optional[ParallelGroups] = None) -> Iterator[None]:
     """Re-raise any failure inside a collective as CollectiveError naming the collective."""
     try:
         yield
@@ -173,7 +174,7 @@ def named(what: str, groups: Optional[ParallelGroups] = None):
         raise CollectiveError(f"collective '{what}' failed{where}: {err}") from err
 
 
-def sum_over_ranks(t: torch.Tensor, groups: ParallelGroups, what: str, group=None) -> torch.Tensor:
+def sum_over_ranks(t: torch.Tensor, groups: ParallelGroups, what: str, group: Any = None) -> torch.Tensor:
     """Sum a tensor over `group` (default: the world), in place, and return it. Host-side tensors
     (metrics, statistics) make a round trip through the device: NCCL reduces device tensors only."""
     if not groups.distributed:
@@ -186,7 +187,7 @@ def sum_over_ranks(t: torch.Tensor, groups: ParallelGroups, what: str, group=Non
     return t
 
 
-def all_gather_object(obj, groups: ParallelGroups, what: str) -> List[Any]:
+def all_gather_object(obj: Any, groups: ParallelGroups, what: str) -> List[Any]:
     if not groups.distributed:
         return [obj]
     out: List[Any] = [None] * groups.world_size
@@ -195,7 +196,7 @@ def all_gather_object(obj, groups: ParallelGroups, what: str) -> List[Any]:
     return out
 
 
-def broadcast_object(obj, groups: ParallelGroups, what: str, src: int = 0):
+def broadcast_object(obj: Any, groups: ParallelGroups, what: str, src: int = 0) -> Any:
     """Rank `src`'s object on every rank (small plain data: plans, digests)."""
     if not groups.distributed:
         return obj
@@ -213,7 +214,7 @@ def check_same_everywhere(value: str, groups: ParallelGroups, what: str) -> None
         raise ValueError(f"{what} differs across ranks ({by_rank})")
 
 
-def barrier(groups: ParallelGroups, what: str, group=None) -> None:
+def barrier(groups: ParallelGroups, what: str, group: Any = None) -> None:
     if groups.distributed:
         with named(what, groups):
             dist.barrier(group=group)

@@ -20,9 +20,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch import Tensor
+from torch.optim import Optimizer
 
-from ..moe.experts import FeedForward, expert_param_shapes, new_expert
+from ..moe.config import MoEConfig
+from ..moe.experts import Expert, expert_param_shapes, new_expert
 from ..moe.layer import MoELayer
 from ..planning.placement import Placement
 from ..planning.planner import AddSpec, LayerPlan
@@ -60,7 +63,7 @@ def combine_experts(combos: Sequence[Sequence[Tuple[int, float]]], shard: LayerS
     return [[part.reshape(shape).clone() for part, shape in zip(row.split(sizes), shapes)] for row in flat]
 
 
-def expert_with(params: Sequence[Tensor], config) -> FeedForward:
+def expert_with(params: Sequence[Tensor], config: MoEConfig) -> Expert:
     module = new_expert(config).to(device=params[0].device, dtype=params[0].dtype)
     with torch.no_grad():
         for p, value in zip(module.parameters(), params):
@@ -68,7 +71,7 @@ def expert_with(params: Sequence[Tensor], config) -> FeedForward:
     return module
 
 
-def random_expert(config, seed: int, like: Tensor) -> FeedForward:
+def random_expert(config: MoEConfig, seed: int, like: Tensor) -> Expert:
     """A freshly initialised expert, identical on every rank (seeded by the plan)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -81,7 +84,7 @@ def random_expert(config, seed: int, like: Tensor) -> FeedForward:
 # parameter, then every tensor's raw bytes in one buffer (bit-exact for any dtype). A message per tensor
 # (about 24 for an Adam-trained expert) made each move cost two dozen round trips, which on gloo is
 # milliseconds each: an event moving a few small experts took several training steps.
-def _state_header(module: FeedForward, optimizer) -> List[int]:
+def _state_header(module: nn.Module, optimizer: Optimizer) -> List[int]:
     """Per parameter: [has state, bit mask over STATE_KEYS of the moments present]."""
     header = []
     for p in module.parameters():
@@ -94,7 +97,7 @@ def _as_bytes(t: Tensor) -> Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def send_expert(module: FeedForward, optimizer, dst: int, groups: ParallelGroups) -> None:
+def send_expert(module: nn.Module, optimizer: Optimizer, dst: int, groups: ParallelGroups) -> None:
     like = next(module.parameters())
     header = _state_header(module, optimizer)
     pieces = []
@@ -109,7 +112,7 @@ def send_expert(module: FeedForward, optimizer, dst: int, groups: ParallelGroups
         dist.send(torch.cat(pieces), dst)
 
 
-def recv_expert(config, like: Tensor, optimizer, src: int, groups: ParallelGroups) -> FeedForward:
+def recv_expert(config: MoEConfig, like: Tensor, optimizer: Optimizer, src: int, groups: ParallelGroups) -> Expert:
     module = new_expert(config).to(device=like.device, dtype=like.dtype)
     params = list(module.parameters())
     header = torch.zeros(2 * len(params), dtype=torch.long, device=like.device)
@@ -136,14 +139,14 @@ class _Reader:
     def __init__(self, payload: Tensor):
         self.payload, self.offset = payload, 0
 
-    def take(self, dtype: torch.dtype, shape) -> Tensor:
+    def take(self, dtype: torch.dtype, shape: Sequence[int]) -> Tensor:
         size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         chunk = self.payload[self.offset: self.offset + size]
         self.offset += size
         return chunk.view(dtype).reshape(shape).clone()
 
 
-def _unpack(payload: Tensor, params: Sequence[Tensor], flags: List[int], optimizer) -> None:
+def _unpack(payload: Tensor, params: Sequence[Tensor], flags: List[int], optimizer: Optimizer) -> None:
     reader = _Reader(payload)
     with torch.no_grad():
         for p, has_state, mask in zip(params, flags[0::2], flags[1::2]):
@@ -172,7 +175,7 @@ def transfers(lp: LayerPlan, old_placement: Placement) -> List[Tuple[int, int, i
 
 
 # -- 3. the layer as a whole -------------------------------------------------------------------------
-def apply_layer_plan(lp: LayerPlan, shard: LayerShard, optimizer, groups: ParallelGroups,
+def apply_layer_plan(lp: LayerPlan, shard: LayerShard, optimizer: Optimizer, groups: ParallelGroups,
                      discarded: Optional[List[Tensor]]) -> Tuple[LayerShard, Optional[List[Tensor]]]:
     """Rebuild the shard's layer as the plan says. Returns the layer's new shard record and the (possibly
     updated) remembered discarded expert."""
@@ -200,7 +203,8 @@ def apply_layer_plan(lp: LayerPlan, shard: LayerShard, optimizer, groups: Parall
     return new_shard, discarded
 
 
-def _move_experts(lp: LayerPlan, shard: LayerShard, local, optimizer, groups) -> Dict[int, FeedForward]:
+def _move_experts(lp: LayerPlan, shard: LayerShard, local: Dict[int, nn.Module], optimizer: Optimizer,
+                  groups: ParallelGroups) -> Dict[int, Expert]:
     received = {}
     like = shard.layer.router.weight  # device and dtype of every expert
     for new_id, src, dst in transfers(lp, shard.placement):
@@ -211,7 +215,8 @@ def _move_experts(lp: LayerPlan, shard: LayerShard, local, optimizer, groups) ->
     return received
 
 
-def _added_experts(specs: Sequence[AddSpec], combined, discarded, config, like) -> List[FeedForward]:
+def _added_experts(specs: Sequence[AddSpec], combined: List[List[Tensor]], discarded: Optional[List[Tensor]],
+                   config: MoEConfig, like: Tensor) -> List[Expert]:
     combined = list(combined)
     experts = []
     for spec in specs:
@@ -224,7 +229,7 @@ def _added_experts(specs: Sequence[AddSpec], combined, discarded, config, like) 
     return experts
 
 
-def resize_router(layer: MoELayer, lp: LayerPlan, optimizer) -> None:
+def resize_router(layer: MoELayer, lp: LayerPlan, optimizer: Optimizer) -> None:
     """Drop removed gate rows, append new ones; slice the router's Adam moments the same way."""
     old = dict(layer.router.named_parameters())
     states = {name: optimizer.state.pop(p, None) for name, p in old.items()}

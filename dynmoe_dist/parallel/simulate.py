@@ -1,4 +1,5 @@
-"""A simulated cluster on one CPU: N gloo processes on 127.0.0.1, each running the same function.
+"""A simulated cluster on one machine: N gloo (or, one GPU each, nccl) processes on 127.0.0.1, each
+running the same function.
 
     results = run_simulated(fn, world_size=3, args=(...,))   # fn(*args) runs on every rank
 
@@ -16,7 +17,7 @@ import pickle
 import socket
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,17 +30,21 @@ class SimulationError(RuntimeError):
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
-def _rank_main(fn, args, rank, world_size, port, collective_timeout_s, env, queue):
+def _rank_main(fn: Callable[..., Any], args: Tuple[Any, ...], rank: int, world_size: int, port: int,
+               collective_timeout_s: float, env: Dict[str, str], queue: Any, backend: str = "gloo") -> None:
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port)})
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # one GPU per rank, before NCCL picks one
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=collective_timeout_s))
         # Plain pickle (not the queue's ForkingPickler): torch would otherwise share tensors through file
         # descriptors that die with this process if it exits before the parent reads them.
@@ -54,16 +59,20 @@ def _rank_main(fn, args, rank, world_size, port, collective_timeout_s, env, queu
             pass
 
 
-def run_simulated(fn: Callable, world_size: int, args: Sequence[Any] = (), *, timeout_s: float = 300.0,
-                  collective_timeout_s: float = 60.0, env: Optional[Dict[str, str]] = None) -> List[Any]:
+def run_simulated(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *, timeout_s: float = 300.0,
+                  collective_timeout_s: float = 60.0, env: Optional[Dict[str, str]] = None,
+                  backend: str = "gloo") -> List[Any]:
+    """``backend='nccl'`` gives rank r the GPU r (the gpu-check runs the trainer that way)."""
     if world_size < 1:
         raise ValueError(f"world_size ({world_size}) must be >= 1")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend ({backend!r}) must be 'gloo' or 'nccl'")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     env = {"OMP_NUM_THREADS": "1", **(env or {})}
     procs = [ctx.Process(target=_rank_main, args=(fn, tuple(args), r, world_size, port, collective_timeout_s,
-                                                  env, queue), daemon=True) for r in range(world_size)]
+                                                  env, queue, backend), daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
     try:
@@ -75,7 +84,7 @@ def run_simulated(fn: Callable, world_size: int, args: Sequence[Any] = (), *, ti
             p.join(timeout=5)
 
 
-def _collect(queue, procs, world_size: int, timeout_s: float) -> List[Any]:
+def _collect(queue: Any, procs: List[Any], world_size: int, timeout_s: float) -> List[Any]:
     import queue as queue_mod
     import time
     results: Dict[int, Any] = {}

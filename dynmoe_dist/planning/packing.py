@@ -3,10 +3,16 @@ move as few experts as possible for that maximum. Pure and deterministic (ties b
 
 An *item* is one replica share of an expert: an expert with n replicas is n items of load L/n, and
 no rank may hold two items of the same expert.
+
+Scale (bench scale: 256 ranks, 256 experts, a shared expert with half the rows): the least loaded
+rank comes from a heap instead of a scan, candidates whose lower bound on the maximum load cannot
+beat the best so far are not packed, and the rank renaming only sorts rank pairs that share items.
+Results are identical to the plain version (tests/unit/test_packing_equivalence.py holds it as oracle).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from typing import List, Optional, Sequence, Tuple
 
@@ -33,23 +39,43 @@ def make_items(loads: Sequence[float], replicas: Sequence[int]) -> List[Item]:
 
 
 class Bins:
-    """Per-rank load, item count and held experts while packing."""
+    """Per-rank load, item count and held experts while packing.
+
+    ``least_loaded`` is the minimum of (load, count, rank) over the ranks that do not hold the expert,
+    read from a heap with lazy deletion: every put pushes the rank's new key, and a popped key that
+    no longer matches its rank's (load, count) is stale (counts only grow, so keys never repeat)."""
 
     def __init__(self, ep_size: int):
         self.load = [0.0] * ep_size
         self.count = [0] * ep_size
         self.experts = [set() for _ in range(ep_size)]
+        self._heap = [(0.0, 0, r) for r in range(ep_size)]  # sorted, hence a heap
 
     def allowed(self, expert: int) -> List[int]:
         return [r for r in range(len(self.load)) if expert not in self.experts[r]]
 
     def least_loaded(self, expert: int) -> int:
-        return min(self.allowed(expert), key=lambda r: (self.load[r], self.count[r], r))
+        heap, held, found = self._heap, [], None
+        while heap:
+            load, count, rank = heap[0]
+            if load != self.load[rank] or count != self.count[rank]:
+                heapq.heappop(heap)
+            elif expert in self.experts[rank]:
+                held.append(heapq.heappop(heap))
+            else:
+                found = rank
+                break
+        for key in held:  # still valid for other experts
+            heapq.heappush(heap, key)
+        if found is None:
+            raise ValueError(f"every rank already holds expert {expert}")
+        return found
 
     def put(self, rank: int, item: Item) -> None:
         self.load[rank] += item[2]
         self.count[rank] += 1
         self.experts[rank].add(item[0])
+        heapq.heappush(self._heap, (self.load[rank], self.count[rank], rank))
 
 
 def _by_load(items: List[Item]) -> List[Item]:
@@ -61,24 +87,30 @@ def _preferred(item: Item, homes: Sequence[Sequence[int]]) -> Optional[int]:
     return homes[expert][share] if share < len(homes[expert]) else None
 
 
-def place_sticky(items: List[Item], homes, ep_size: int, cap: Optional[float]) -> List[Tuple[Item, int]]:
-    """Largest first; an item stays on its current rank unless that would exceed `cap` (None: always)."""
+def place_sticky(items: List[Item], homes, ep_size: int, cap: Optional[float],
+                 ordered: Optional[List[Item]] = None, give_up_above: Optional[float] = None):
+    """Largest first; an item stays on its current rank unless that would exceed `cap` (None: always).
+    ``ordered``: the items already sorted by _by_load (saves the sort when several packings share it).
+    ``give_up_above``: return None once a rank's rounded load exceeds it (loads only grow, so such a
+    packing's maximum would too: the caller has a better candidate already)."""
     bins, out = Bins(ep_size), []
-    for item in _by_load(items):
+    for item in ordered if ordered is not None else _by_load(items):
         pref = _preferred(item, homes)
         fits = pref is not None and item[0] not in bins.experts[pref] and (
             cap is None or bins.load[pref] + item[2] <= cap + EPS)
         rank = pref if fits else bins.least_loaded(item[0])
         bins.put(rank, item)
         out.append((item, rank))
+        if give_up_above is not None and bins.load[rank] > give_up_above and round(bins.load[rank], 6) > give_up_above:
+            return None
     return out
 
 
-def place_lpt(items: List[Item], homes, ep_size: int) -> List[Tuple[Item, int]]:
+def place_lpt(items: List[Item], homes, ep_size: int, ordered: Optional[List[Item]] = None) -> List[Tuple[Item, int]]:
     """Greedy largest-load-first onto the least loaded rank, then rename the ranks (bins are
     interchangeable) to keep as many items where they already are."""
     bins, out = Bins(ep_size), []
-    for item in _by_load(items):
+    for item in ordered if ordered is not None else _by_load(items):
         rank = bins.least_loaded(item[0])
         bins.put(rank, item)
         out.append((item, rank))
@@ -87,24 +119,30 @@ def place_lpt(items: List[Item], homes, ep_size: int) -> List[Tuple[Item, int]]:
 
 
 def _best_renaming(assigned, homes, ep_size: int) -> List[int]:
-    overlap = [[0] * ep_size for _ in range(ep_size)]
+    """Greedy over (bin, rank) pairs by overlap, descending, ties by (bin, rank). Only pairs that share
+    items are sorted: the zero-overlap pairs come last in (bin, rank) order, which gives every bin
+    still unnamed, in bin order, the lowest rank still free."""
+    overlap = {}
     for item, b in assigned:
         pref = _preferred(item, homes)
         if pref is not None:
-            overlap[b][pref] += 1
-    pairs = sorted(((overlap[b][r], b, r) for b in range(ep_size) for r in range(ep_size)),
-                   key=lambda t: (-t[0], t[1], t[2]))
+            overlap[b, pref] = overlap.get((b, pref), 0) + 1
     rename, used = [None] * ep_size, set()
-    for _, b, r in pairs:
+    for (b, r), _ in sorted(overlap.items(), key=lambda kv: (-kv[1], kv[0][0], kv[0][1])):
         if rename[b] is None and r not in used:
             rename[b] = r
             used.add(r)
+    free = iter(r for r in range(ep_size) if r not in used)
+    for b in range(ep_size):
+        if rename[b] is None:
+            rename[b] = next(free)
     return rename
 
 
-def count_moves(assigned, homes) -> int:
+def count_moves(assigned, homes, home_sets=None) -> int:
     """New (expert, rank) holdings of experts that already existed somewhere."""
-    return sum(1 for (expert, _, _), rank in assigned if homes[expert] and rank not in homes[expert])
+    sets = home_sets if home_sets is not None else [set(h) for h in homes]
+    return sum(1 for (expert, _, _), rank in assigned if sets[expert] and rank not in sets[expert])
 
 
 def max_load(assigned, ep_size: int) -> float:
@@ -127,12 +165,38 @@ def replica_options(loads: Sequence[float], ep_size: int, factor: float, max_rep
     return options
 
 
-def _assignments(items: List[Item], homes, ep_size: int, rebalance: bool):
+def _assignments(items: List[Item], homes, ep_size: int, rebalance: bool, limit=lambda: None):
+    """The candidate packings of one replica option, lazily; ``limit()`` is the best rounded maximum
+    load so far, above which a sticky packing is abandoned (yielded as None)."""
+    ordered = _by_load(items)
+    yield place_sticky(items, homes, ep_size, cap=None, ordered=ordered, give_up_above=limit())
     if not rebalance:
-        return [place_sticky(items, homes, ep_size, cap=None)]
-    lpt = place_lpt(items, homes, ep_size)
-    return [place_sticky(items, homes, ep_size, cap=None),
-            place_sticky(items, homes, ep_size, cap=max_load(lpt, ep_size)), lpt]
+        return
+    lpt = place_lpt(items, homes, ep_size, ordered=ordered)
+    yield place_sticky(items, homes, ep_size, cap=max_load(lpt, ep_size), ordered=ordered, give_up_above=limit())
+    yield lpt
+
+
+def load_lower_bound(loads: Sequence[float], replicas: Sequence[int], ep_size: int) -> float:
+    """No packing of these items has a smaller maximum rank load (as max_load sums it, in floats):
+    the largest share (exact: a rank's float sum never falls below any of its terms), the sum of the
+    ep-th and (ep+1)-th largest shares, which some rank holds together (pigeonhole; exact for the same
+    reason), and the mean, shrunk by a relative 1e-9 because it is summed in another order."""
+    by_share = sorted(((loads[e] / n, n) for e, n in enumerate(replicas)), reverse=True)
+    bound = max(sum(loads) / ep_size * (1 - 1e-9), by_share[0][0] if by_share else 0.0)
+    # The ep-th and (ep+1)-th largest item shares, walking the experts' share runs (n items each).
+    wanted, found, seen = (ep_size - 1, ep_size), [], 0
+    for share, n in by_share:
+        found += [share for index in wanted if seen <= index < seen + n]
+        seen += n
+        if len(found) == 2:
+            return max(bound, found[0] + found[1])
+    return bound
+
+
+def _cannot_win(bound: float, num_replicas: int, best_key) -> bool:
+    """A candidate's key is (round(max load, 6), replicas, moves) >= (round(bound, 6), replicas, 0)."""
+    return best_key is not None and (round(bound, 6), num_replicas) > best_key[:2]
 
 
 def pack_experts(loads: Sequence[float], homes: Sequence[Sequence[int]], ep_size: int, *, rebalance: bool = True,
@@ -142,16 +206,22 @@ def pack_experts(loads: Sequence[float], homes: Sequence[Sequence[int]], ep_size
     Among the candidates, the lowest maximum rank load wins, then the fewest replicas, then the fewest
     moves (without rebalance, experts stay where they are and only new items are placed)."""
     best, best_key = None, None
+    home_sets = [set(h) for h in homes]
     for replicas in replica_options(loads, ep_size, replicate_factor, max_replicas):
-        for assigned in _assignments(make_items(loads, replicas), homes, ep_size, rebalance):
-            key = (round(max_load(assigned, ep_size), 6), sum(replicas), count_moves(assigned, homes))
+        if _cannot_win(load_lower_bound(loads, replicas, ep_size), sum(replicas), best_key):
+            continue
+        limit = lambda: None if best_key is None else best_key[0]  # noqa: E731
+        for assigned in _assignments(make_items(loads, replicas), homes, ep_size, rebalance, limit):
+            if assigned is None:
+                continue
+            key = (round(max_load(assigned, ep_size), 6), sum(replicas), count_moves(assigned, homes, home_sets))
             if best_key is None or key < best_key:
                 best, best_key = assigned, key
     per_rank: List[List[int]] = [[] for _ in range(ep_size)]
     for (expert, _, _), rank in best:
         per_rank[rank].append(expert)
     placement = Placement.from_rank_lists(ep_size, len(loads), [sorted(r) for r in per_rank])
-    return placement, count_moves(best, homes)
+    return placement, count_moves(best, homes, home_sets)
 
 
 def rank_loads(placement: Placement, loads: Sequence[float]) -> List[float]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Sequence, Set, Tuple
 
 Slot = Tuple[int, int]
 
@@ -22,7 +22,7 @@ class Placement:
     ep_size: int
     replicas: Tuple[Tuple[Slot, ...], ...]
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "replicas", tuple(tuple(tuple(s) for s in r) for r in self.replicas))
         self.validate()
 
@@ -50,15 +50,16 @@ class Placement:
             return cls.balanced(num_experts, ep_size)
         return cls(ep_size, tuple(((e, 0),) for e in range(num_experts)))
 
-    def to_lists(self):
+    def to_lists(self) -> Dict[str, Any]:
         return {"ep_size": self.ep_size, "replicas": [[list(s) for s in slots] for slots in self.replicas]}
 
     @classmethod
-    def from_lists(cls, data) -> "Placement":
+    def from_lists(cls, data: Mapping[str, Any]) -> "Placement":
         return cls(int(data["ep_size"]), tuple(tuple(tuple(s) for s in slots) for slots in data["replicas"]))
 
     @classmethod
-    def from_rank_lists(cls, ep_size: int, num_experts: int, experts_per_rank: Sequence[Sequence[int]]):
+    def from_rank_lists(cls, ep_size: int, num_experts: int,
+                        experts_per_rank: Sequence[Sequence[int]]) -> "Placement":
         """Build from what each rank holds, in slot order: experts_per_rank[r] = [e, ...]."""
         replicas: List[List[Slot]] = [[] for _ in range(num_experts)]
         for rank, experts in enumerate(experts_per_rank):
@@ -72,7 +73,7 @@ class Placement:
     def validate(self) -> None:
         if self.ep_size < 1:
             raise ValueError(f"ep_size ({self.ep_size}) must be >= 1")
-        slots_seen = [set() for _ in range(self.ep_size)]
+        slots_seen: List[Set[int]] = [set() for _ in range(self.ep_size)]
         for expert, slots in enumerate(self.replicas):
             if not slots:
                 raise ValueError(f"expert {expert} has no replica")

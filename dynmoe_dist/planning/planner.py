@@ -108,7 +108,7 @@ def plan(stats: Sequence[WindowStats], placements: Sequence[Placement], configs:
 
 def plan_layer(index: int, stats: WindowStats, placement: Placement, cfg: PlannerConfig, has_discarded: bool,
                history=None, seed: int = 0) -> LayerPlan:
-    counts = [float(c) for c in stats.counts_E]
+    counts = [float(c) for c in stats.counts_E]  # NOTE: device-to-host sync (planning time, once per event)
     if len(counts) != placement.num_experts:
         raise ValueError(f"layer {index}: statistics for {len(counts)} experts, placement has {placement.num_experts}")
     removed = choose_removals(counts, cfg) if cfg.adapt_experts else []
@@ -161,9 +161,10 @@ def new_gates(stats: WindowStats, num_adds: int) -> List[Tuple[float, ...]]:
     if num_adds == 1:
         sums = [stats.unrouted_sum_D]
     else:
+        # NOTE: device-to-host sync (planning time): per-expert reads of the unrouted counts
         order = sorted(range(len(stats.num_unrouted_E)), key=lambda e: (-float(stats.num_unrouted_E[e]), e))
         sums = [stats.unrouted_sum_ED[e] for e in order if stats.num_unrouted_E[e] > 0][:num_adds]
-    return [tuple((s / s.norm().clamp(min=1e-12)).tolist()) for s in sums]
+    return [tuple((s / s.norm().clamp(min=1e-12)).tolist()) for s in sums]  # NOTE: device-to-host sync (planning time)
 
 
 def init_strategy(strategy: str, counts: List[float], kept: List[int], removed: List[int], has_discarded: bool):
@@ -197,6 +198,7 @@ def estimated_loads(counts, kept, added, stats: WindowStats, history=None) -> Li
     more than the unrouted tokens, and estimating it at the mean load left ranks 1.5x imbalanced."""
     loads = [counts[e] for e in kept]
     if history is not None:
+        # NOTE: device-to-host sync (planning time, if the history lives on a device)
         loads = [0.5 * (c + float(history[e])) for c, e in zip(loads, kept)]
     if not added:
         return loads

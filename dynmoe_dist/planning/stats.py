@@ -33,11 +33,11 @@ class WindowStats:
 
     @property
     def num_tokens(self) -> float:
-        return float(self.k_hist_K.sum())
+        return float(self.k_hist_K.sum())  # NOTE: device-to-host sync (planning time, not the hot path)
 
     @property
     def num_unrouted(self) -> float:
-        return float(self.num_unrouted_E.sum())
+        return float(self.num_unrouted_E.sum())  # NOTE: device-to-host sync (planning time)
 
     @property
     def unrouted_sum_D(self) -> Tensor:
@@ -48,13 +48,15 @@ class WindowStats:
         device = self.counts_E.device
         selected_TE, scores_TE, x_TD = (t.detach().to(device) for t in (selected_TE, scores_TE, x_TD))
         k_T = selected_TE.sum(dim=-1)
-        unrouted_T = k_T == 0
-        nearest_U = scores_TE[unrouted_T].argmax(dim=-1)
+        # Every token is added with weight 1 if unrouted, else 0: selecting the unrouted tokens by a
+        # boolean mask (or bincount) would read their number back to the host once per forward.
+        unrouted_T = (k_T == 0).double()
+        nearest_T = scores_TE.argmax(dim=-1)
         self.counts_E += selected_TE.sum(dim=0).double()
-        self.unrouted_sum_ED.index_add_(0, nearest_U, x_TD.double()[unrouted_T])
-        self.num_unrouted_E += torch.bincount(nearest_U, minlength=self.counts_E.numel()).double()
-        self.k_hist_K += torch.bincount(k_T.clamp(max=self.k_hist_K.numel() - 1),
-                                        minlength=self.k_hist_K.numel()).double()
+        self.unrouted_sum_ED.index_add_(0, nearest_T, x_TD.double() * unrouted_T.unsqueeze(-1))
+        self.num_unrouted_E.index_add_(0, nearest_T, unrouted_T)
+        k_bin_T = k_T.clamp(max=self.k_hist_K.numel() - 1)
+        self.k_hist_K.index_add_(0, k_bin_T, torch.ones_like(unrouted_T))
 
     def merge(self, other: "WindowStats") -> "WindowStats":
         return WindowStats(self.counts_E + other.counts_E, self.unrouted_sum_ED + other.unrouted_sum_ED,
@@ -70,7 +72,7 @@ class WindowStats:
 
     @classmethod
     def from_flat(cls, flat: Tensor, num_experts: int, dim: int) -> "WindowStats":
-        flat = flat.double().cpu()
+        flat = flat.double().cpu()  # NOTE: device-to-host sync (planning time, once per event)
         e, d = num_experts, dim
         parts = flat.split([e, e * d, e, flat.numel() - e - e * d - e])
         return cls(parts[0].clone(), parts[1].reshape(e, d).clone(), parts[2].clone(), parts[3].clone())

@@ -2,7 +2,10 @@
 
 from typing import Dict
 
-from . import synthetic  # noqa: F401  (registers 'synthetic')
+from . import (
+    causal_lm,  # noqa: F401  (registers 'causal-lm'; transformers is imported only when it is built)
+    synthetic,  # noqa: F401  (registers 'synthetic')
+)
 from .base import TASK_OPTIONS, TASK_SPECS, TASKS, Batch, Task, TaskSpec, register, split_indices
 
 OPTIONAL_MODULES = ("text", "vision")

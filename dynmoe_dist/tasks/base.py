@@ -73,6 +73,8 @@ class Task:
 TASK_OPTIONS: FrozenSet[str] = frozenset({
     "task.path", "task.test_path", "task.test_fraction", "task.max_len",
     "model.dim", "model.num_heads", "model.ffn_dim", "model.patch_size", "model.freeze",
+    # a transformers model and its tokenizer (tasks/causal_lm.py); other tasks build their own model
+    "model.source", "model.path", "task.tokenizer",
 })
 
 

@@ -48,7 +48,7 @@ def complete_checkpoints(out_dir: str) -> List[Path]:
     """Complete checkpoints (renamed from .tmp, meta present), oldest first."""
     root = checkpoint_root(out_dir)
     found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / "meta.pt").is_file()] if root.is_dir() else []
-    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+    return sorted(found, key=lambda p: int(p.name.removeprefix("step_")))
 
 
 def load_file(path: Path):

@@ -8,7 +8,7 @@ is what routing reads; decay would only shrink them, and the simple loss already
 from __future__ import annotations
 
 import math
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 import torch.nn as nn
@@ -20,8 +20,9 @@ def decays(name: str, param: torch.Tensor) -> bool:
     return param.ndim >= 2 and "router." not in f".{name}"
 
 
-def split_params(model: nn.Module):
-    decay, no_decay = [], []
+def split_params(model: nn.Module) -> Tuple[List[nn.Parameter], List[nn.Parameter]]:
+    decay: List[nn.Parameter] = []
+    no_decay: List[nn.Parameter] = []
     for name, p in model.named_parameters():
         if p.requires_grad:
             (decay if decays(name, p) else no_decay).append(p)

@@ -30,6 +30,7 @@ class LayerRecorder:
 
     def start_window(self) -> None:
         cfg = self.layer.config
+        assert cfg.max_experts is not None, "MoEConfig fills max_experts in __post_init__"
         self.window = WindowStats.empty(self.layer.num_experts, cfg.dim, cfg.max_experts,
                                         device=self.layer.router.weight.device)
 
@@ -42,6 +43,7 @@ class LayerRecorder:
         self.counts_E += mask_TE.sum(dim=0)
         if self.window is not None:
             # The window counts selections before any k = 0 fallback: gates > 0.
+            assert routing.probs is not None, "top-any routing carries its gate scores"
             self.window.add_tokens(routing.gates.detach() > 0, routing.probs, x_TD)
 
     def step_vector(self) -> Tensor:
@@ -81,7 +83,8 @@ class Recorders:
             recorder.start_window()
 
     def windows(self) -> List[WindowStats]:
-        return [r.window for r in self.recorders]
+        """The open windows, one per layer (call only inside a window)."""
+        return [_open(r.window) for r in self.recorders]
 
     def end_window(self) -> None:
         """After an event: no window, and per-step counts sized for the layers' new expert counts."""
@@ -95,7 +98,7 @@ class Recorders:
     def state_dict(self) -> Dict[str, Optional[Tensor]]:
         if not self.recorders or not self.in_window:
             return {"window": None}
-        return {"window": torch.cat([r.window.to_flat() for r in self.recorders])}
+        return {"window": torch.cat([w.to_flat() for w in self.windows()])}
 
     def load_state_dict(self, state: Dict[str, Optional[Tensor]]) -> None:
         """Restore a window (sized for the layers as they are now); None means outside a window."""
@@ -106,13 +109,18 @@ class Recorders:
         offset = 0
         for recorder in self.recorders:
             recorder.start_window()
-            size = recorder.window.to_flat().numel()
+            size = _open(recorder.window).to_flat().numel()
             cfg = recorder.layer.config
             recorder.window = WindowStats.from_flat(flat[offset:offset + size], recorder.layer.num_experts,
                                                     cfg.dim).to(recorder.layer.router.weight.device)
             offset += size
         if offset != flat.numel():
             raise ValueError(f"saved window statistics have {flat.numel()} values, the layers need {offset}")
+
+
+def _open(window: Optional[WindowStats]) -> WindowStats:
+    assert window is not None, "no recording window is open"
+    return window
 
 
 def _attach(layer: MoELayer) -> LayerRecorder:

@@ -111,7 +111,8 @@ def _event_marks(events: Sequence[Dict[str, Any]]) -> List[Tuple[int, int, str]]
     """An event marks 'removed' / 'added' when it did so, and 'replicated' when the layer's replica
     map differs from its previous event's (the map is the plan's full state, not a delta, so an
     unchanged map repeated every window is not a new replication)."""
-    marks, previous_replicas = [], {}
+    marks: List[Any] = []
+    previous_replicas: Dict[int, Any] = {}
     for event in events:
         layer = int(event.get("layer", 0))
         replicas = dict(event.get("replicas") or {})
@@ -343,7 +344,7 @@ def _suptitle(series: ReportSeries, metrics_path: Path) -> str:
 def _event_legend(fig, series: ReportSeries) -> None:
     from matplotlib.lines import Line2D
 
-    handles = [Line2D([], [], color=s["color"], linestyle=s["linestyle"], label=s["label"])
+    handles = [Line2D([], [], color=s["color"], linestyle=s["linestyle"], label=s["label"])  # type: ignore[arg-type]
                for change, s in EVENT_STYLE.items() if len(series.event_steps(change))]
     if handles:
         fig.legend(handles=handles, loc="outside upper right", ncol=len(handles), fontsize="small",

@@ -311,7 +311,7 @@ class Telemetry:
         self.progress = ProgressBar(total_steps, enabled=rank0 and progress, initial_step=initial_step)
 
     def log(self, record: Dict[str, Any]) -> None:
-        if not self.rank0:
+        if self.metrics is None:  # not rank 0
             return
         record = plain_record(record)
         self.metrics.write(record)  # validates the record before anything else sees it

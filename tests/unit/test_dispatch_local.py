@@ -157,3 +157,21 @@ def test_grouped_mm_kernel_matches_its_reference():
     assert grouped_mm_supports(a, b)
     torch.testing.assert_close(grouped_mm(a, b, offs), grouped_mm_reference(a, b, offs), rtol=1e-5, atol=1e-5)
     assert not grouped_mm_supports(a.double(), b.double())  # float64 takes the reference path
+
+
+def test_replica_row_counts_match_replica_index():
+    """The per-replica counts computed from the expert counts alone equal what replica_index assigns."""
+    import torch
+    from dynmoe_dist.moe.permute import replica_index, replica_row_counts
+    g = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        num_experts = int(torch.randint(1, 6, (1,), generator=g))
+        counts_E = torch.randint(0, 9, (num_experts,), generator=g)
+        num_replicas_E = torch.randint(1, 4, (num_experts,), generator=g)
+        expert_R = torch.repeat_interleave(torch.arange(num_experts), counts_E)
+        replica_R = replica_index(counts_E, expert_R, num_replicas_E)
+        expected = torch.zeros(num_experts, 3, dtype=torch.long)
+        expected.index_put_((expert_R, replica_R), torch.ones_like(expert_R), accumulate=True)
+        assert torch.equal(replica_row_counts(counts_E, num_replicas_E, 3), expected)
+    # hand case: 5 rows over 2 replicas -> rows 0-2 (floor(2j/5) = 0 for j < 2.5) and 3-4
+    assert replica_row_counts(torch.tensor([5]), torch.tensor([2]), 3).tolist() == [[3, 2, 0]]

