@@ -18,7 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple, get_type_hints
 
-from .moe.config import MoEConfig, _require, conforms, describe
+from .moe.config import PRESETS, MoEConfig, _require, conforms, describe
 
 EXPERT_INITS = ("reuse_discarded", "average", "weighted_average", "most_activated", "random")
 PRECISIONS = ("float32", "float64", "bf16")
@@ -202,6 +202,9 @@ class AdaptiveConfig:
     """Replicate an expert whose load exceeds this multiple of the mean per-rank load (must be > 1)."""
     max_replicas: int = 0
     """Replicas per expert at most (0 = up to the ep size; 1 = replication off)."""
+    min_unrouted_share: float = 0.0
+    """Add an expert only if the share of the window's tokens that selected no expert exceeds this
+    (0 = any such token triggers an add, the reference)."""
 
     def __post_init__(self):
         _require(0.0 <= self.window_start < self.window_end <= 1.0,
@@ -213,11 +216,14 @@ class AdaptiveConfig:
                  f"adaptive.expert_init ({self.expert_init!r}) must be one of {EXPERT_INITS}")
         _require(self.replicate_factor > 1.0, f"adaptive.replicate_factor ({self.replicate_factor}) must be > 1")
         _require(self.max_replicas >= 0, f"adaptive.max_replicas ({self.max_replicas}) must be >= 0")
+        _require(0.0 <= self.min_unrouted_share < 1.0,
+                 f"adaptive.min_unrouted_share ({self.min_unrouted_share}) must be in [0, 1)")
 
 
 # Options only adding and removing experts reads. Only top-any layers add and remove experts: under
 # top_k / top_p routers the adaptive events re-place and replicate experts, nothing else.
-ADD_REMOVE_OPTIONS = ("adaptive.max_adds_per_event", "adaptive.expert_init", "moe.max_experts", "moe.min_experts")
+ADD_REMOVE_OPTIONS = ("adaptive.max_adds_per_event", "adaptive.expert_init", "adaptive.min_unrouted_share",
+                      "moe.max_experts", "moe.min_experts")
 
 
 @dataclass
@@ -332,7 +338,28 @@ def _check_keys(section: str, values: Dict[str, Any]) -> None:
 DERIVED_MOE_KEYS = ("dim", "ffn_dim")
 
 
+def with_preset(data: Dict[str, Any]) -> Dict[str, Any]:
+    """data with the moe.preset's values (moe/config.py PRESETS) filled in wherever the user set nothing;
+    unchanged unless the router is top-any. The caller records what the user set before this."""
+    moe = data.get("moe", {}) if isinstance(data.get("moe", {}), dict) else {}
+    defaults = {f.name: f.default for f in dataclasses.fields(MoEConfig)}
+    name, router = moe.get("preset", defaults["preset"]), moe.get("router", defaults["router"])
+    if name not in PRESETS:  # checked here too: an unknown preset must fail, whatever the router
+        raise ValueError(f"moe.preset ({name!r}) must be one of {tuple(PRESETS)}")
+    if router != "top_any":
+        return data
+    out = dict(data)
+    for option, value in PRESETS[name].items():
+        section, key = option.split(".")
+        if isinstance(out.get(section, {}), dict):  # a malformed section fails in from_dict, with its name
+            out[section] = {key: value, **out.get(section, {})}
+    return out
+
+
 def from_dict(data: Dict[str, Dict[str, Any]]) -> RunConfig:
+    explicit = frozenset(f"{name}.{key}" for name, values in data.items() if isinstance(values, dict)
+                         for key in values)
+    data = with_preset(data)
     for key in DERIVED_MOE_KEYS:
         if key in data.get("moe", {}):
             raise ValueError(f"moe.{key} is taken from the model (model.{key} for built models, the pre-trained "
@@ -345,7 +372,6 @@ def from_dict(data: Dict[str, Dict[str, Any]]) -> RunConfig:
             raise ValueError(f"section [{name}] must be a table, got {values!r}")
         _check_keys(name, values)
         sections[name] = make_section(name, checked_values(name, values))
-    explicit = frozenset(f"{name}.{key}" for name, values in data.items() for key in values)
     return RunConfig(**sections, explicit=explicit)
 
 

@@ -1,6 +1,7 @@
 """`python -m dynmoe_dist.experiments SUBCOMMAND [options]`.
 
     compare    top-k vs DynMoE under the same budget: results.md, results.json, comparison.png
+    losses     per-loss router gradients, k over time and expert growth of each DynMoE loss set
     baseline   frozen-MiniLM + logistic regression on minilm-sentiment (one JSON line)
 
 `python -m dynmoe_dist.experiments SUBCOMMAND --help` lists a subcommand's options.
@@ -19,12 +20,17 @@ def _compare(argv):
     main(argv, prog=f"{PROG} compare")
 
 
+def _losses(argv):
+    from .losses import main
+    main(argv, prog=f"{PROG} losses")
+
+
 def _baseline(argv):
     from .baseline import main
     main(argv, prog=f"{PROG} baseline")
 
 
-SUBCOMMANDS = {"compare": _compare, "baseline": _baseline}
+SUBCOMMANDS = {"compare": _compare, "losses": _losses, "baseline": _baseline}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

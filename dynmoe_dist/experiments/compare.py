@@ -1,11 +1,14 @@
-"""The paper comparison in miniature: top-k (k = 1, 2, 4, 8) against DynMoE with each expert-init strategy.
+"""The paper comparison in miniature: a dense model, top-k (k = 1, 2, 4, 8), top-p and DynMoE with each
+expert-init strategy and each loss set (experiments/models.py).
 
-    python -m dynmoe_dist.experiments compare --task vit-mnist [--epochs 10] [--seeds 0,1,2] [--out DIR]
+    python -m dynmoe_dist.experiments compare --task vit-mnist [--epochs 10] [--seeds 0,1,2,3,4] [--out DIR]
 
 Every model gets the same budget: the same task split, model, epochs, batch size, lr schedule and seed
-set; only the router (and, for DynMoE, the expert-init strategy) differs. Every epoch end is evaluated.
-Writes, under --out: runs/<model>/seed<s>/ (each run's metrics.jsonl), results.md (the table in the
-shape of docs/algorithm.md section 6), results.json and comparison.png.
+set; only the router (and, for DynMoE, the expert-init strategy and losses) differs. Every epoch end is
+evaluated; DynMoE models are evaluated once more with moe.eval_k0 = 'skip'. Writes, under --out:
+runs/<model>/seed<s>/ (each run's metrics.jsonl), results.md (the table in the shape of
+docs/algorithm.md section 6, paired tests against the best top-k, dense and top-p, the skip
+evaluation), results.json and comparison.png.
 """
 
 from __future__ import annotations
@@ -18,40 +21,22 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from ..config import RunConfig, load_config, parse_override
 from ..tasks import build_task
 from ..train.telemetry import METRICS_FILE, read_metrics
-from .probe import RoutingProbe, add_totals, routing_summary
-from .summary import ModelRow, RunSummary, aggregate, markdown_table, summarise_run
+from .models import DEFAULT_MODELS, MODELS, ModelSpec
+from .probe import FIELDS, RoutingProbe, add_totals, routing_summary
+from .stats import expert_flops_per_token
+from .summary import (ModelRow, RunSummary, aggregate, markdown_table, paired_results, paired_table, skip_table,
+                      summarise_run)
 
 CONFIG_FILE = "config.toml"
 ROUTING_FILE = "routing.json"
 
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    label: str
-    overrides: Tuple[str, ...]
-
-
-def _top_k(k: int) -> ModelSpec:
-    # Adaptive off: a top-k layer never adds or removes experts, and on one rank there is nothing to
-    # re-place, so the baseline is the plain fixed-k MoE of the paper.
-    return ModelSpec(f"top{k}", f"MoE k={k}", ("moe.router='top_k'", f"moe.top_k={k}", "adaptive.enabled=false"))
-
-
-def _dynmoe(init: str) -> ModelSpec:
-    return ModelSpec(f"dynmoe-{init}", f"DynMoE ({init.replace('_', ' ')})",
-                     ("moe.router='top_any'", "adaptive.enabled=true", f"adaptive.expert_init='{init}'"))
-
-
-MODELS: Dict[str, ModelSpec] = {spec.name: spec for spec in (
-    *(_top_k(k) for k in (1, 2, 4, 8)),
-    *(_dynmoe(init) for init in ("reuse_discarded", "average", "weighted_average", "most_activated", "random")))}
-DEFAULT_MODELS = [name for name in MODELS if name != "dynmoe-random"]  # the paper's eight rows
 
 # The paper's vision setup in miniature (2 MoE layers of 8 experts in a small ViT, 16 patches per image);
 # sized so that the eight default models x 10 epochs x 3 seeds take about 10 minutes on one CPU thread.
@@ -61,10 +46,22 @@ TASK_PRESETS: Dict[str, Tuple[str, ...]] = {
     "vit-mnist": ("model.dim=64", "model.num_heads=4", "model.num_layers=4", "model.ffn_dim=128",
                   "model.moe_layers=[1, 3]", "model.patch_size=7", "moe.num_experts=8",
                   "train.global_batch_size=64", "train.lr=0.004", "train.warmup_steps=30"),
+    # The upcycled finetune of launcher/configs/quickstart.toml, shortened for 16 models x 5 seeds:
+    # layers 0-3 and the embeddings frozen (the quickstart's note: half the time, about one point),
+    # max_len 48 instead of 64 (truncates 4.6% of the training snippets, 64 truncates 0.1%; padding is
+    # routed too, so cost grows with max_len), 8 experts in layers 4 and 5 (the other tasks' count),
+    # 1 epoch instead of 2 (TASK_EPOCHS). CPU time per step: 0.65 s dense, 0.83 s top-2, 2.2 s top-8.
+    "minilm-sentiment": ("task.max_len=48", "model.num_layers=6", "model.moe_layers=[4, 5]",
+                         "model.freeze=['embeddings', 'layers.0', 'layers.1', 'layers.2', 'layers.3']",
+                         "moe.num_experts=8", "train.global_batch_size=32", "train.lr=5e-5",
+                         "train.warmup_steps=20"),
     "synthetic": ("task.num_samples=2048", "task.max_len=16", "model.dim=32", "model.num_layers=2",
                   "model.ffn_dim=64", "model.moe_layers=[0, 1]", "moe.num_experts=8",
                   "train.global_batch_size=32", "train.lr=0.003"),
 }
+# --epochs when not given: from scratch needs many, an upcycled finetune few.
+TASK_EPOCHS = {"vit-mnist": 10, "minilm-sentiment": 1, "synthetic": 10}
+DEFAULT_SEEDS = "0,1,2,3,4"
 # Set per model or per run by compare itself: an override of these would break "same budget" or the
 # per-epoch evaluation the table is built from.
 RESERVED_KEYS = ("task.name", "moe.router", "moe.top_k", "adaptive.enabled", "adaptive.expert_init",
@@ -73,7 +70,8 @@ RESERVED_KEYS = ("task.name", "moe.router", "moe.top_k", "adaptive.enabled", "ad
 
 
 def parse_models(text: str) -> List[str]:
-    """'top2,dynmoe-average' -> names in the given order; 'all' -> every model; 'default' -> the paper's 8."""
+    """'top2,dynmoe-average' -> names in the given order; 'all' -> every model; 'default' -> every model
+    but those make_plan finds to duplicate another's config."""
     if text.strip() in ("all", "default"):
         return list(MODELS) if text.strip() == "all" else list(DEFAULT_MODELS)
     names = [n.strip() for n in text.split(",") if n.strip()]
@@ -111,7 +109,7 @@ def build_config(task: str, spec: ModelSpec, seed: int, epochs: int, out_dir: Pa
     if task not in TASK_PRESETS:
         raise ValueError(f"--task ({task!r}) must be one of {', '.join(TASK_PRESETS)}")
     check_overrides([*overrides, *dynmoe_overrides])
-    if spec.name.startswith("dynmoe"):
+    if spec.is_dynmoe:
         overrides = [*overrides, *dynmoe_overrides]
     own = [f"task.name='{task}'", f"train.epochs={epochs}", f"train.seed={seed}", f"train.eval_every={eval_every}",
            f"output.out_dir='{run_dir(out_dir, spec.name, seed).as_posix()}'", "output.progress=false",
@@ -132,27 +130,71 @@ def steps_per_epoch(config: RunConfig) -> int:
 # Running
 
 
-def _run_on_rank(config: RunConfig) -> Dict[str, List[float]]:
-    """run(config) with a RoutingProbe on the model; returns this rank's probe counts."""
+def _run_on_rank(config: RunConfig) -> Dict:
+    """run(config) with a RoutingProbe on the model; returns this rank's probe counts and, for top-any
+    layers, the final model re-evaluated with eval_k0 = 'skip'."""
     from ..train.loop import Trainer
     from ..train.run import run
 
     trainer = Trainer(config)
     probe = RoutingProbe.attach(trainer.model)
     run(config, trainer=trainer)
-    return probe.totals()
+    totals = probe.totals()  # before the extra evaluation: the table's eval k is the configured one's
+    return {"probe": totals, "skip": skip_evaluation(trainer, probe, totals)}
 
 
-def train(config: RunConfig, world_size: int) -> Dict[str, List[float]]:
+def skip_evaluation(trainer, probe: RoutingProbe, before: Dict[str, List[float]]) -> Optional[Dict]:
+    """Accuracy with eval_k0 = 'skip' (a k = 0 token passes the layer on the residual alone) and, per layer,
+    the test tokens that skipped it; None without top-any layers. The layers' eval_k0 is restored after:
+    it is the run's own config object, and the run's config.toml is written after this."""
+    layers = [layer for layer in trainer.moe_layers if layer.config.router == "top_any"]
+    if not layers:
+        return None
+    saved = [layer.config.eval_k0 for layer in layers]
+    try:
+        for layer in layers:
+            layer.config.eval_k0 = "skip"
+        accuracy = trainer.evaluate()["test_accuracy"]
+    finally:
+        for layer, value in zip(layers, saved):
+            layer.config.eval_k0 = value
+    # The probe adds consecutive evaluations: the skip pass is the difference.
+    after = probe.totals()
+    delta = {name: [a - b for a, b in zip(after[name], before[name])] for name in ("eval_tokens", "eval_fallback")}
+    return {"accuracy": 100.0 * accuracy, "tokens": delta["eval_tokens"], "skipped": delta["eval_fallback"]}
+
+
+def _merge_ranks(per_rank: List[Dict]) -> Dict:
+    """Probe and skip counts summed over ranks; the accuracy is already global (evaluate reduces it)."""
+    merged = {"probe": add_totals([r["probe"] for r in per_rank]), "skip": per_rank[0]["skip"]}
+    if merged["skip"] is not None:
+        for name in ("tokens", "skipped"):
+            merged["skip"][name] = [sum(v) for v in zip(*(r["skip"][name] for r in per_rank))]
+    return merged
+
+
+def train(config: RunConfig, world_size: int) -> Dict:
     """One run in this process (world size 1) or on simulated gloo ranks (one process per rank); returns
-    the routing probe's counts summed over ranks."""
+    the routing probe's counts summed over ranks and the skip evaluation."""
     if world_size == 1:
         return _run_on_rank(config)
     from ..parallel.simulate import run_simulated
     # No overall deadline worth having: a long comparison is long; collectives still time out.
     per_rank = run_simulated(_run_on_rank, world_size, args=(config,), timeout_s=7 * 24 * 3600.0,
                              collective_timeout_s=config.parallel.timeout_s)
-    return add_totals(per_rank)
+    return _merge_ranks(per_rank)
+
+
+def routing_of(saved: Dict) -> Dict[str, Any]:
+    """routing.json -> the RunSummary fields it gives (probe shares, skip evaluation). A routing.json of an
+    earlier version holds the bare probe counts and no skip evaluation: still read."""
+    probe = saved.get("probe", saved)
+    out: Dict[str, Any] = dict(routing_summary({name: probe[name] for name in FIELDS}))
+    skip = saved.get("skip")
+    if skip:
+        out["skip_accuracy"] = skip["accuracy"]
+        out["skip_share_per_layer"] = [s / t if t else float("nan") for s, t in zip(skip["skipped"], skip["tokens"])]
+    return out
 
 
 def finished(config: RunConfig) -> bool:
@@ -180,12 +222,11 @@ def run_or_reuse(spec: ModelSpec, seed: int, config: RunConfig, world_size: int,
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         started = time.perf_counter()
-        totals = train(config, world_size)
-        (folder / ROUTING_FILE).write_text(json.dumps(totals))
+        (folder / ROUTING_FILE).write_text(json.dumps(train(config, world_size)))
         # Written last: its presence (with the same text) marks a finished run that may be reused.
         (folder / CONFIG_FILE).write_text(config.to_toml())
         log(f"{spec.name} seed {seed}: done in {time.perf_counter() - started:.0f}s")
-    routing = routing_summary(json.loads((folder / ROUTING_FILE).read_text()))
+    routing = routing_of(json.loads((folder / ROUTING_FILE).read_text()))
     summary = summarise_run(spec.name, seed, read_metrics(folder / METRICS_FILE), routing)
     log(f"  test accuracy by epoch {[round(a, 2) for a in summary.test_accuracy]}, mean k {summary.mean_k:.2f}, "
         f"k=0 share {summary.train_k0_share:.2f}, eval k {summary.eval_k:.2f}, experts {summary.num_experts}")
@@ -210,19 +251,58 @@ class Plan:
                             eval_every=self.steps_per_epoch, dynmoe_overrides=self.dynmoe_overrides)
 
 
+def without_duplicates(models: Sequence[str], config_of) -> List[str]:
+    """Models whose run config (the output section aside) differs from every earlier model's: the same
+    config trains the same run, so 'default' runs it once."""
+    kept, seen = [], set()
+    for model in models:
+        key = json.dumps({k: v for k, v in config_of(model).to_dict().items() if k != "output"}, sort_keys=True,
+                         default=str)
+        if key not in seen:
+            kept.append(model)
+            seen.add(key)
+    return kept
+
+
 def make_plan(args) -> Plan:
-    if args.epochs < 1:
-        raise ValueError(f"--epochs ({args.epochs}) must be >= 1")
+    epochs = TASK_EPOCHS.get(args.task, 10) if args.epochs is None else args.epochs
+    if epochs < 1:
+        raise ValueError(f"--epochs ({epochs}) must be >= 1")
     if args.world_size < 1:
         raise ValueError(f"--world-size ({args.world_size}) must be >= 1")
     models, seeds = parse_models(args.models), parse_seeds(args.seeds)
-    first = build_config(args.task, MODELS[models[0]], seeds[0], args.epochs, Path(args.out), args.overrides)
-    plan = Plan(args.task, models, seeds, args.epochs, Path(args.out), list(args.overrides), args.world_size,
+    first = build_config(args.task, MODELS[models[0]], seeds[0], epochs, Path(args.out), args.overrides)
+    plan = Plan(args.task, models, seeds, epochs, Path(args.out), list(args.overrides), args.world_size,
                 steps_per_epoch(first), list(args.dynmoe_overrides))
     for model in models:  # every config must validate before hours of training start
         for seed in seeds:
             plan.config(model, seed)
+    if args.models.strip() == "default":
+        plan.models = without_duplicates(models, lambda m: plan.config(m, seeds[0]))
     return plan
+
+
+def ffn_shape(config: RunConfig) -> Tuple[int, int]:
+    """(D, F) of one expert / dense FFN: the model section's, or the pre-trained MiniLM block's."""
+    if config.task.name == "minilm-sentiment":
+        from ..models.bert import BertConfig, minilm_dir
+        bert = BertConfig.from_json(minilm_dir() / "config.json")
+        return bert.hidden_size, bert.intermediate_size
+    return config.model.dim, config.model.ffn_dim
+
+
+def attach_cost(row: ModelRow, family: str, shape: Tuple[int, int], num_positions: int) -> ModelRow:
+    """Expert FLOPs per token (stats.expert_flops_per_token). The dense model runs one FFN of the same
+    shape where the others have an MoE layer: k = 1 there."""
+    dim, ffn_dim = shape
+    if family == "dense":
+        row.flops_train = row.flops_eval = expert_flops_per_token([1.0] * num_positions, dim, ffn_dim)
+        return row
+    per_layer = np.mean([r.mean_k_per_layer for r in row.runs], axis=0)
+    row.flops_train = expert_flops_per_token(per_layer, dim, ffn_dim)
+    # eval k is a mean over layers that all see every test token: the layers' sum is eval k x layers.
+    row.flops_eval = expert_flops_per_token([row.eval_k] * len(per_layer), dim, ffn_dim)
+    return row
 
 
 def run_plan(plan: Plan, reuse: bool = True, log=_log) -> List[ModelRow]:
@@ -232,7 +312,10 @@ def run_plan(plan: Plan, reuse: bool = True, log=_log) -> List[ModelRow]:
         for model in plan.models:
             summaries[model].append(run_or_reuse(MODELS[model], seed, plan.config(model, seed),
                                                  plan.world_size, reuse, log))
-    return [aggregate(m, MODELS[m].label, summaries[m]) for m in plan.models]
+    reference = build_config(plan.task, MODELS["top1"], plan.seeds[0], plan.epochs, plan.out_dir, plan.overrides)
+    shape, positions = ffn_shape(reference), len(reference.model.moe_layers)
+    return [attach_cost(aggregate(m, MODELS[m].label, summaries[m], MODELS[m].family), MODELS[m].family, shape,
+                        positions) for m in plan.models]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -277,8 +360,32 @@ def results_markdown(plan: Plan, rows: Sequence[ModelRow], command: str, wall_s:
         "- k=0 %: share of the last epoch's training tokens (all MoE layers) that selected no expert and "
         "so skipped the MoE layer (moe.train_k0 = 'zero', the reference behaviour).",
         "- experts: experts per MoE layer at the end of training (top-k models keep theirs).",
-        "- wall s: seconds per run (training plus the per-epoch evaluations).", "",
+        "- kFLOP/token: expert FLOPs per token summed over the MoE layers, k x 4 x D x F per layer (two "
+        "matmuls D x F and F x D = 2 D F multiply-adds per selected expert); train at the mean k of "
+        "training, eval at the eval k. The dense model counts its FFN (same D x F) as k = 1 where the "
+        "others have MoE layers. Router, attention and dispatch are left out.",
+        "- reaches best top-k: the first epoch at which the model's mean accuracy reaches the final mean "
+        "accuracy of the best top-k row ('never' if it does not).",
+        "- ms/step: wall time of one run divided by its optimizer steps (per-epoch evaluations included).",
+        "", *paired_section(rows), *skip_section(rows),
         "![comparison](comparison.png)", ""])
+
+
+def paired_section(rows: Sequence[ModelRow]) -> List[str]:
+    table = paired_table(rows)
+    if not table:
+        return []
+    return ["Final accuracy of each DynMoE model minus the reference, paired by seed (points): mean "
+            "difference, 95% confidence interval of the paired t over seeds, two-sided p:", "", table, ""]
+
+
+def skip_section(rows: Sequence[ModelRow]) -> List[str]:
+    table = skip_table(rows)
+    if not table:
+        return []
+    return ["The final DynMoE models evaluated again with `moe.eval_k0 = \"skip\"` (a token that selects no "
+            "expert passes the layer on the residual alone) against the default top-1 fallback "
+            "(means over seeds):", "", table, ""]
 
 
 def write_outputs(plan: Plan, rows: Sequence[ModelRow], command: str, wall_s: float) -> Dict[str, Path]:
@@ -292,7 +399,8 @@ def write_outputs(plan: Plan, rows: Sequence[ModelRow], command: str, wall_s: fl
                 "steps_per_epoch": plan.steps_per_epoch, "world_size": plan.world_size,
                 "overrides": plan.overrides, "dynmoe_overrides": plan.dynmoe_overrides, "command": command, "wall_s": wall_s,
                 "config_of_first_run": plan.config(plan.models[0], plan.seeds[0]).to_dict()}
-    paths["json"].write_text(json.dumps({"settings": settings, "models": [r.to_dict() for r in rows]}, indent=1))
+    paths["json"].write_text(json.dumps({"settings": settings, "models": [r.to_dict() for r in rows],
+                                         "paired": paired_results(rows)}, indent=1))
     draw_comparison(rows, paths["png"], title=f"{plan.task}: {len(rows)} models, {plan.epochs} epochs, "
                                                            f"{len(plan.seeds)} seed(s)")
     return paths
@@ -304,11 +412,12 @@ def write_outputs(plan: Plan, rows: Sequence[ModelRow], command: str, wall_s: fl
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", default="vit-mnist", help=f"one of {', '.join(TASK_PRESETS)} (default vit-mnist)")
-    p.add_argument("--epochs", type=int, default=10, help="training epochs of every run (default 10)")
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds (default 0,1,2: mean ± std "
-                   "over three seeds, about 10 min for the default models on one CPU core; '0' for a quick look)")
+    p.add_argument("--epochs", type=int, default=None, help="training epochs of every run (default per task: "
+                   + ", ".join(f"{t} {e}" for t, e in TASK_EPOCHS.items()) + ")")
+    p.add_argument("--seeds", default=DEFAULT_SEEDS, help=f"comma-separated training seeds (default {DEFAULT_SEEDS}:"
+                   " mean ± std and paired tests over five seeds; '0' for a quick look)")
     p.add_argument("--models", default="default", help="comma-separated subset of: " + ", ".join(MODELS)
-                   + "; 'default' = all but dynmoe-random (the paper's rows), 'all' = every model")
+                   + "; 'default' = every model, a duplicate config run once; 'all' = every model")
     p.add_argument("--out", default="runs/compare", help="output directory (default runs/compare)")
     p.add_argument("--world-size", type=int, default=1, help="simulated gloo ranks per run (default 1: "
                    "one process, the cheapest on a small machine; results agree across world sizes)")

@@ -17,20 +17,27 @@ from .summary import ModelRow
 
 
 def _is_dynmoe(row: ModelRow) -> bool:
-    return row.model.startswith("dynmoe")
+    return row.family == "dynmoe" if row.family else row.model.startswith("dynmoe")
 
 
 def _styles(rows: Sequence[ModelRow]):
-    """Top-k baselines in shades of grey-blue and dashed; DynMoE variants in strong colours, solid."""
+    """Top-k baselines in shades of grey-blue and dashed, the dense model black and dotted, top-p grey and
+    dash-dotted; DynMoE variants in strong colours, solid (tab20 beyond 9 of them, so none repeats)."""
     from matplotlib import colormaps
 
-    topk = [r for r in rows if not _is_dynmoe(r)]
     dyn = [r for r in rows if _is_dynmoe(r)]
+    topk = [r for r in rows if not _is_dynmoe(r) and r.family not in ("dense", "top_p")]
     styles = {}
     for i, row in enumerate(topk):
         styles[row.model] = dict(color=colormaps["Blues"](0.4 + 0.6 * (i + 1) / (len(topk) + 1)), linestyle="--")
+    for row in rows:
+        if row.family == "dense":
+            styles[row.model] = dict(color="black", linestyle=":")
+        elif row.family == "top_p":
+            styles[row.model] = dict(color="dimgrey", linestyle="-.")
+    palette, offset = (colormaps["tab10"], 1) if len(dyn) <= 9 else (colormaps["tab20"], 2)
     for i, row in enumerate(dyn):
-        styles[row.model] = dict(color=colormaps["tab10"](1 + i), linestyle="-")
+        styles[row.model] = dict(color=palette(offset + i), linestyle="-")
     return styles
 
 

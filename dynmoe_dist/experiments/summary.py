@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from ..train.report import latest_attempt
+from .stats import PairedResult, convergence_epoch, paired_test
 
 EPOCH_TOLERANCE = 1e-6
 
@@ -38,6 +39,12 @@ class RunSummary:
     """Experts per token at the final evaluation, top-1 fallback of k = 0 tokens included."""
     eval_fallback_share: float = math.nan
     """Share of tokens at the final evaluation that selected no expert and fell back to top-1."""
+    num_steps: int = 0
+    """Optimizer steps of the run (for the wall time per step)."""
+    skip_accuracy: float = math.nan
+    """Test accuracy (%) of the final model re-evaluated with moe.eval_k0 = 'skip' (DynMoE only)."""
+    skip_share_per_layer: List[float] = field(default_factory=list)
+    """Per MoE layer, the share of tokens that selected no expert and skipped it in that evaluation."""
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -66,12 +73,18 @@ def accuracy_by_epoch(records: Sequence[Dict[str, Any]]) -> List[float]:
     return [found[e] for e in range(1, max(found) + 1)]
 
 
+def _mean(values: Sequence[float]) -> float:
+    """Mean that is NaN (no warning) when nothing was measured."""
+    present = [v for v in values if not math.isnan(v)]
+    return float(np.mean(present)) if present else math.nan
+
+
 def _step_k(record: Dict[str, Any]) -> float:
     return float(np.mean(record["mean_k"])) if record.get("mean_k") else math.nan
 
 
 def summarise_run(model: str, seed: int, records: Sequence[Dict[str, Any]],
-                  routing: Optional[Dict[str, float]] = None) -> RunSummary:
+                  routing: Optional[Dict[str, Any]] = None) -> RunSummary:
     """One run's RunSummary from its metrics records (a resumed run's superseded records dropped) and
     the routing probe's shares (probe.routing_summary), when there are any."""
     records = latest_attempt(records)
@@ -87,11 +100,11 @@ def summarise_run(model: str, seed: int, records: Sequence[Dict[str, Any]],
     per_layer = np.array([r["mean_k"] for r in steps if r.get("mean_k")], dtype=np.float64)
     return RunSummary(
         model=model, seed=seed, test_accuracy=accuracy,
-        mean_k=float(np.nanmean([_step_k(r) for r in steps])),
-        final_k=float(np.nanmean([_step_k(r) for r in last_epoch])),
+        # A dense model has no MoE layer and so no k: NaN, shown as '-'.
+        mean_k=_mean([_step_k(r) for r in steps]), final_k=_mean([_step_k(r) for r in last_epoch]),
         mean_k_per_layer=per_layer.mean(axis=0).tolist() if per_layer.size else [],
         num_experts=[int(n) for n in final.get("num_experts", [])],
-        wall_s=float(final.get("wall_s", math.nan)), **(routing or {}))
+        wall_s=float(final.get("wall_s", math.nan)), num_steps=int(final["step"]), **(routing or {}))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -117,7 +130,23 @@ class ModelRow:
     """Experts per MoE layer at the end, averaged over seeds."""
     wall_s: float
     """Mean wall time of one run."""
+    family: str = ""
+    """'dense', 'top_k', 'top_p' or 'dynmoe' (experiments/models.py)."""
+    ms_per_step: float = math.nan
+    """Wall time per optimizer step (ms; per-epoch evaluations included), mean over seeds."""
+    skip_accuracy: float = math.nan
+    """Final test accuracy (%) with moe.eval_k0 = 'skip', mean over seeds (DynMoE only)."""
+    skip_share_per_layer: List[float] = field(default_factory=list)
+    """Share of test tokens skipping each MoE layer under eval_k0 = 'skip', mean over seeds."""
+    flops_train: float = math.nan
+    """Expert FLOPs per token in training (stats.expert_flops_per_token at the mean k of every layer)."""
+    flops_eval: float = math.nan
+    """Expert FLOPs per token at the final evaluation (eval k, top-1 fallback included)."""
     runs: List[RunSummary] = field(default_factory=list, repr=False)
+
+    def final_accuracies(self) -> Dict[int, float]:
+        """Seed -> final test accuracy (%), for the paired tests."""
+        return {r.seed: r.test_accuracy[-1] for r in self.runs}
 
     def to_dict(self) -> Dict[str, Any]:
         out = asdict(self)
@@ -129,13 +158,12 @@ def _std(values: np.ndarray) -> np.ndarray:
     return values.std(axis=0, ddof=1) if values.shape[0] > 1 else np.zeros(values.shape[1:])
 
 
-def _mean(values: Sequence[float]) -> float:
-    """Mean that is NaN (no warning) when nothing was measured."""
-    present = [v for v in values if not math.isnan(v)]
-    return float(np.mean(present)) if present else math.nan
+def _mean_lists(lists: Sequence[Sequence[float]]) -> List[float]:
+    present = [list(v) for v in lists if len(v)]
+    return np.mean(np.array(present, dtype=np.float64), axis=0).tolist() if present else []
 
 
-def aggregate(model: str, label: str, runs: Sequence[RunSummary]) -> ModelRow:
+def aggregate(model: str, label: str, runs: Sequence[RunSummary], family: str = "") -> ModelRow:
     """Mean (and std) over the seeds of one model; every seed must have the same number of epochs."""
     if not runs:
         raise ValueError(f"model {model!r} has no runs to aggregate")
@@ -147,12 +175,15 @@ def aggregate(model: str, label: str, runs: Sequence[RunSummary]) -> ModelRow:
     experts = np.array([r.num_experts for r in runs], dtype=np.float64)
     return ModelRow(model=model, label=label, seeds=[r.seed for r in runs],
                     accuracy_mean=accuracy.mean(axis=0).tolist(), accuracy_std=_std(accuracy).tolist(),
-                    mean_k=float(mean_k.mean()), mean_k_std=float(_std(mean_k[:, None])[0]),
-                    final_k=float(np.mean([r.final_k for r in runs])),
+                    mean_k=_mean(mean_k.tolist()), mean_k_std=float(_std(mean_k[:, None])[0]),
+                    final_k=_mean([r.final_k for r in runs]),
                     eval_k=_mean([r.eval_k for r in runs]),
                     last_epoch_k0_share=_mean([r.last_epoch_k0_share for r in runs]),
                     num_experts=experts.mean(axis=0).tolist() if experts.size else [],
-                    wall_s=float(np.mean([r.wall_s for r in runs])), runs=list(runs))
+                    wall_s=float(np.mean([r.wall_s for r in runs])), family=family,
+                    ms_per_step=_mean([1000 * r.wall_s / r.num_steps if r.num_steps else math.nan for r in runs]),
+                    skip_accuracy=_mean([r.skip_accuracy for r in runs]),
+                    skip_share_per_layer=_mean_lists([r.skip_share_per_layer for r in runs]), runs=list(runs))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -182,9 +213,33 @@ def _experts_cell(num_experts: Sequence[float]) -> str:
     return "/".join(f"{n:.0f}" if float(n).is_integer() else f"{n:.1f}" for n in num_experts) or "-"
 
 
+def best_of_family(rows: Sequence[ModelRow], family: str) -> Optional[ModelRow]:
+    """The row of that family with the highest mean final accuracy (first of a tie), or None."""
+    members = [r for r in rows if r.family == family]
+    return max(members, key=lambda r: r.accuracy_mean[-1]) if members else None
+
+
+def _reach_cell(row: ModelRow, target: Optional[float]) -> str:
+    if target is None:
+        return "-"
+    epoch = convergence_epoch(row.accuracy_mean, target)
+    return "never" if epoch is None else str(epoch)
+
+
+def _kflops_cell(row: ModelRow) -> str:
+    if math.isnan(row.flops_train) and math.isnan(row.flops_eval):
+        return "-"
+    return f"{_number(row.flops_train / 1e3, '.0f')} / {_number(row.flops_eval / 1e3, '.0f')}"
+
+
+TABLE_TAIL = ("mean k", "final k", "eval k", "k=0 %", "experts", "kFLOP/token train / eval", "reaches best top-k",
+              "ms/step")
+
+
 def markdown_table(rows: Sequence[ModelRow], epochs: Optional[Sequence[int]] = None) -> str:
-    """| model | acc after each shown epoch | mean k | final k | eval k | k=0 % | experts | wall s |, the best
-    mean accuracy of each epoch column in bold."""
+    """| model | acc after each shown epoch | mean k | final k | eval k | k=0 % | experts | kFLOP/token |
+    reaches best top-k | ms/step |, the best mean accuracy of each epoch column in bold. "reaches best
+    top-k": the first epoch whose mean accuracy reaches the best top-k row's final mean accuracy."""
     if not rows:
         raise ValueError("no model rows to tabulate")
     num_epochs = len(rows[0].accuracy_mean)
@@ -193,15 +248,78 @@ def markdown_table(rows: Sequence[ModelRow], epochs: Optional[Sequence[int]] = N
     if bad:
         raise ValueError(f"table epochs {bad} outside [1, {num_epochs}]")
     best = {e: max(row.accuracy_mean[e - 1] for row in rows) for e in epochs}
-    lines = ["| model | " + " | ".join(str(e) for e in epochs) + " | mean k | final k | eval k | k=0 % | experts | wall s |",
-             "|---|" + "---|" * (len(epochs) + 6)]
+    best_top_k = best_of_family(rows, "top_k")
+    target = best_top_k.accuracy_mean[-1] if best_top_k else None
+    lines = ["| model | " + " | ".join(str(e) for e in epochs) + " | " + " | ".join(TABLE_TAIL) + " |",
+             "|---|" + "---|" * (len(epochs) + len(TABLE_TAIL))]
     for row in rows:
         cells = []
         for e in epochs:
             text = _cell(row.accuracy_mean[e - 1], row.accuracy_std[e - 1], len(row.seeds))
             cells.append(f"**{text}**" if row.accuracy_mean[e - 1] == best[e] else text)
-        cells += [_cell(row.mean_k, row.mean_k_std, len(row.seeds)), f"{row.final_k:.2f}",
-                  _number(row.eval_k, ".2f"), _number(100 * row.last_epoch_k0_share, ".1f"),
-                  _experts_cell(row.num_experts), f"{row.wall_s:.0f}"]
+        mean_k = "-" if math.isnan(row.mean_k) else _cell(row.mean_k, row.mean_k_std, len(row.seeds))
+        cells += [mean_k, _number(row.final_k, ".2f"), _number(row.eval_k, ".2f"),
+                  _number(100 * row.last_epoch_k0_share, ".1f"), _experts_cell(row.num_experts),
+                  _kflops_cell(row), _reach_cell(row, target), _number(row.ms_per_step, ".0f")]
         lines.append(f"| {row.label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Paired tests and the eval_k0 = 'skip' measurement
+
+
+def paired_against(row: ModelRow, reference: ModelRow) -> Optional[PairedResult]:
+    """row - reference in final accuracy over the seeds both have (each seed is one pair)."""
+    mine, theirs = row.final_accuracies(), reference.final_accuracies()
+    seeds = [s for s in mine if s in theirs]
+    return paired_test([mine[s] for s in seeds], [theirs[s] for s in seeds])
+
+
+def _paired_cell(result: Optional[PairedResult]) -> str:
+    if result is None:
+        return "- (needs 2 seeds)"
+    return (f"{result.mean_diff:+.2f} [{result.ci_low:+.2f}, {result.ci_high:+.2f}], "
+            f"p = {result.p_value:.3f}")
+
+
+def references(rows: Sequence[ModelRow]) -> List[ModelRow]:
+    """The rows DynMoE is tested against: the best top-k, the dense model and the best top-p (present ones)."""
+    return [r for r in (best_of_family(rows, f) for f in ("top_k", "dense", "top_p")) if r is not None]
+
+
+def paired_results(rows: Sequence[ModelRow]) -> Dict[str, Dict[str, Optional[Dict[str, Any]]]]:
+    """DynMoE model -> reference model -> PairedResult as a dict (None with one seed), for results.json."""
+    out: Dict[str, Dict[str, Optional[Dict[str, Any]]]] = {}
+    for row in (r for r in rows if r.family == "dynmoe"):
+        out[row.model] = {}
+        for ref in references(rows):
+            result = paired_against(row, ref)
+            out[row.model][ref.model] = result.to_dict() if result else None
+    return out
+
+
+def paired_table(rows: Sequence[ModelRow]) -> str:
+    """| DynMoE model | vs <best top-k> | vs dense | vs <best top-p> |: final-accuracy difference (points),
+    95% CI of the paired t over seeds, two-sided p. Empty when there is no DynMoE row or no reference."""
+    refs, dyn = references(rows), [r for r in rows if r.family == "dynmoe"]
+    if not refs or not dyn:
+        return ""
+    lines = ["| model | " + " | ".join(f"vs {r.label}" for r in refs) + " |", "|---|" + "---|" * len(refs)]
+    for row in dyn:
+        lines.append(f"| {row.label} | " + " | ".join(_paired_cell(paired_against(row, r)) for r in refs) + " |")
+    return "\n".join(lines)
+
+
+def skip_table(rows: Sequence[ModelRow]) -> str:
+    """| model | final acc, eval_k0 top1 | eval_k0 skip | tokens skipping each layer |, DynMoE rows only."""
+    dyn = [r for r in rows if r.family == "dynmoe" and not math.isnan(r.skip_accuracy)]
+    if not dyn:
+        return ""
+    lines = ["| model | acc, eval_k0 = top1 | acc, eval_k0 = skip | skip − top1 | tokens skipping layer (%) |",
+             "|---|---|---|---|---|"]
+    for row in dyn:
+        shares = " / ".join(f"{100 * s:.1f}" for s in row.skip_share_per_layer) or "-"
+        lines.append(f"| {row.label} | {row.accuracy_mean[-1]:.2f} | {row.skip_accuracy:.2f} | "
+                     f"{row.skip_accuracy - row.accuracy_mean[-1]:+.2f} | {shares} |")
     return "\n".join(lines)

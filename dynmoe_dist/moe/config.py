@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple, Union, get_args, get_origin
 
 ROUTERS = ("top_any", "top_k", "top_p")
-AUX_LOSSES = ("diverse", "simple", "load_balance", "efficiency", "switch")
+AUX_LOSSES = ("diverse", "simple", "load_balance", "efficiency", "switch", "entropy")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 EXPERT_KINDS = ("ffn", "gated")
 TRAIN_K0_MODES = ("zero", "top1")
@@ -24,6 +24,30 @@ DEFAULT_AUX = {
     "top_p": ("switch",),
 }
 
+# Named sets of DynMoE settings ('section.key' -> value), applied by the run-config loader to every such
+# option the user did not set (dynmoe_dist.config.with_preset), and only under the top-any router: a
+# preset describes DynMoE, and the top-k / top-p baselines keep their own defaults.
+#   paper     the authors' released code (the ICLR revision's DeepSpeed variant, docs/algorithm.md): four
+#             losses, top-1 fallback at evaluation, recycled experts
+#   paper-v1  the first paper version: the same, with L_div + L_simple only
+#   project   this project's default. Today the same as 'paper'; the comparison (docs/results.md) decides
+#             what it becomes: change its entries here, and every run without moe.preset follows.
+_PAPER = {
+    "moe.aux_losses": ("diverse", "simple", "load_balance", "efficiency"),
+    "moe.aux_loss_weight": 0.01,
+    "moe.train_k0": "zero",
+    "moe.eval_k0": "top1",
+    "moe.threshold_init": 0.0,
+    "adaptive.expert_init": "reuse_discarded",
+    "adaptive.max_adds_per_event": 1,
+}
+PRESETS = {
+    "paper": _PAPER,
+    "paper-v1": {**_PAPER, "moe.aux_losses": ("diverse", "simple")},
+    "project": dict(_PAPER),
+}
+DEFAULT_PRESET = "project"
+
 # Fields only some routers read (the rest of the layer reads all the others): field -> those routers.
 # Setting one under another router does nothing; the trainer warns about it at start-up.
 ROUTER_FIELDS = {
@@ -32,6 +56,7 @@ ROUTER_FIELDS = {
     "threshold_init": ("top_any",),
     "train_k0": ("top_any",),  # only top-any lets a token select no expert
     "eval_k0": ("top_any",),
+    "preset": ("top_any",),
 }
 
 
@@ -131,6 +156,11 @@ class MoEConfig:
     threshold_init: float = 0.0
     """Initial gate threshold G of top-any routers (the reference: 0). Higher values start sparser:
     a token then selects expert e only if cos(x, W_e) > G_e."""
+    preset: str = DEFAULT_PRESET
+    """Named DynMoE settings for every moe / adaptive option you do not set yourself (top-any runs only):
+    'paper' (the authors' released code: 4 aux losses, top-1 eval fallback, reuse_discarded init),
+    'paper-v1' (the same with the original diverse + simple losses only) or 'project' (this project's
+    choice; today equal to 'paper'). See PRESETS in dynmoe_dist/moe/config.py for every value."""
 
     def __post_init__(self) -> None:
         if self.max_experts is None:
@@ -154,6 +184,7 @@ class MoEConfig:
             f"min_experts ({self.min_experts}) > num_experts ({self.num_experts})",
         )
         _require(self.router in ROUTERS, f"router ({self.router!r}) must be one of {ROUTERS}")
+        _require(self.preset in PRESETS, f"preset ({self.preset!r}) must be one of {tuple(PRESETS)}")
         if self.router == "top_k":
             _require(
                 1 <= self.top_k <= self.num_experts,
@@ -163,6 +194,10 @@ class MoEConfig:
         _require(self.aux_loss_weight >= 0, f"aux_loss_weight ({self.aux_loss_weight}) must be >= 0")
         for name in self.aux_losses:
             _require(name in AUX_LOSSES, f"aux_losses entry ({name!r}) must be one of {AUX_LOSSES}")
+        # top-any scores are independent sigmoids, not a distribution: their "entropy" means nothing.
+        if self.router == "top_any" and "entropy" in (self.aux_losses or ()):
+            raise ValueError("aux_losses entry ('entropy') needs a softmax router (top_k or top_p), "
+                             f"router is {self.router!r}")
         _require(self.activation in ACTIVATIONS, f"activation ({self.activation!r}) must be one of {ACTIVATIONS}")
         _require(self.expert_kind in EXPERT_KINDS,
                  f"expert_kind ({self.expert_kind!r}) must be one of {EXPERT_KINDS}")

@@ -1,4 +1,5 @@
-"""Auxiliary losses of DynMoE (docs/algorithm.md section 2) and the Switch load-balance baseline.
+"""Auxiliary losses of DynMoE (docs/algorithm.md section 2), the Switch load-balance baseline and the
+router-entropy loss of the top-p baseline (Huang et al. 2024).
 
 Token statistics are formed as sums and divided by counts only after ``reduce_sum``: with the
 identity (one process) this is the plain mean; under data parallelism ``reduce_sum`` adds the sums of
@@ -37,7 +38,22 @@ def simple_loss(weight_ED: Tensor) -> Tensor:
 
 
 # -- token-statistic losses: local sums -> one reduction -> the loss of the global batch -------------
-TOKEN_LOSSES = ("load_balance", "efficiency", "switch")
+TOKEN_LOSSES = ("load_balance", "efficiency", "switch", "entropy")
+
+# Huang et al. weight their entropy ("dynamic") loss 1e-4 against 1e-2 for load balance. The layer
+# multiplies every aux term by moe.aux_loss_weight (0.01), so the entropy term carries the ratio itself.
+ENTROPY_RELATIVE_WEIGHT = 0.01
+
+
+def entropy_loss(probs_TE: Tensor) -> Tensor:
+    """mean_t ( -sum_e P_te log P_te ): the router entropy, unweighted. Pushes each token's softmax mass
+    onto few experts, so top-p keeps a short prefix (0 * log 0 counts as 0)."""
+    return -_p_log_p(probs_TE).sum(dim=-1).mean()
+
+
+def _p_log_p(probs_TE: Tensor) -> Tensor:
+    # The clamp keeps 0 * log 0 = 0 with a finite gradient where P underflows to 0 (xlogy's is -inf).
+    return probs_TE * torch.log(probs_TE.clamp_min(torch.finfo(probs_TE.dtype).tiny))
 
 
 def token_sums(name: str, routing: Routing) -> List[Tensor]:
@@ -55,6 +71,11 @@ def token_sums(name: str, routing: Routing) -> List[Tensor]:
     if name == "switch":
         count = torch.full((1,), float(num_tokens), dtype=dtype, device=routing.mask.device)
         return [routing.mask.to(dtype).sum(dim=0), count, routing.probs.to(dtype).sum(dim=0)]
+    if name == "entropy":
+        count = torch.full((1,), float(num_tokens), dtype=dtype, device=routing.mask.device)
+        assert routing.probs is not None, "the entropy loss needs the router's softmax probabilities"
+        probs_TE = routing.probs.to(dtype)
+        return [-_p_log_p(probs_TE).sum().reshape(1), count]
     raise ValueError(f"aux loss ({name!r}) has no token statistics; token losses are {TOKEN_LOSSES}")
 
 
@@ -70,6 +91,9 @@ def loss_from_sums(name: str, sums: Sequence[Tensor], num_experts: int) -> Tenso
         # mean_{t,e} g[t,e] = mean k / E (straight-through gradient on selected pairs)
         gates, count = sums
         return (gates / count.clamp(min=1)).squeeze(0)
+    if name == "entropy":
+        entropy_sum, count = sums
+        return ENTROPY_RELATIVE_WEIGHT * (entropy_sum / count.clamp(min=1)).squeeze(0)
     # switch: E * sum_e f_e * Pbar_e; f_e = share of routed pairs sent to e (no gradient), Pbar_e = mean
     # router probability of e. Equals 1 under perfectly uniform routing.
     assigned_E, count, probs_E = sums

@@ -29,6 +29,7 @@ class PlanningOptions(Protocol):
     rebalance: bool
     replicate_factor: float
     max_replicas: int
+    min_unrouted_share: float
 
 
 @dataclass(frozen=True)
@@ -133,10 +134,18 @@ def choose_removals(counts: List[float], cfg: PlannerConfig) -> List[int]:
 def choose_additions(stats: WindowStats, counts: List[float], kept: List[int], removed: List[int],
                      cfg: PlannerConfig, has_discarded: bool, seed: int) -> List[AddSpec]:
     room = cfg.moe.max_experts - len(kept)
-    num_adds = min(cfg.adaptive.max_adds_per_event, room) if stats.num_unrouted > 0 else 0
+    num_adds = min(cfg.adaptive.max_adds_per_event, room) if wants_new_expert(stats, cfg.adaptive) else 0
     gates = new_gates(stats, num_adds)
     return [_add_spec(cfg.adaptive.expert_init, counts, kept, removed, has_discarded, gate, seed * 16 + i)
             for i, gate in enumerate(gates)]
+
+
+def wants_new_expert(stats: WindowStats, adaptive: PlanningOptions) -> bool:
+    """The reference adds an expert when any token of the window selected none; with min_unrouted_share
+    > 0, only when the share of such tokens exceeds it (a few stray k = 0 tokens then grow nothing)."""
+    if stats.num_unrouted <= 0:
+        return False
+    return stats.num_unrouted / max(stats.num_tokens, 1.0) > adaptive.min_unrouted_share
 
 
 def _add_spec(strategy, counts, kept, removed, has_discarded, gate, seed) -> AddSpec:

@@ -12,7 +12,7 @@ import torch
 from dynmoe_dist.experiments import __main__ as experiments_main
 from dynmoe_dist.experiments import compare
 from dynmoe_dist.experiments.plots import draw_comparison
-from dynmoe_dist.experiments.probe import RoutingProbe, _LayerHook, add_totals, routing_summary
+from dynmoe_dist.experiments.probe import FIELDS, RoutingProbe, _LayerHook, add_totals, routing_summary
 from dynmoe_dist.experiments.summary import (RunSummary, accuracy_by_epoch, aggregate, markdown_table,
                                              summarise_run, table_epochs)
 from dynmoe_dist.moe.routing import Routing
@@ -65,7 +65,7 @@ def test_summarise_run_needs_a_final_record():
 def _run(seed, accuracy, mean_k, experts, model="top2"):
     return RunSummary(model=model, seed=seed, test_accuracy=accuracy, mean_k=mean_k, final_k=mean_k,
                       mean_k_per_layer=[mean_k], num_experts=experts, wall_s=10.0 + seed, eval_k=mean_k,
-                      last_epoch_k0_share=0.1 * seed)
+                      last_epoch_k0_share=0.1 * seed, num_steps=20)
 
 
 def test_aggregate_mean_and_sample_std_over_seeds():
@@ -74,9 +74,10 @@ def test_aggregate_mean_and_sample_std_over_seeds():
     assert row.accuracy_std == pytest.approx([10 / math.sqrt(2), 20 / math.sqrt(2)])  # ddof 1
     assert (row.mean_k, row.mean_k_std) == (3.0, pytest.approx(math.sqrt(2)))
     assert (row.num_experts, row.wall_s, row.last_epoch_k0_share) == ([8.0, 9.5], 10.5, pytest.approx(0.05))
+    assert row.ms_per_step == pytest.approx(1000 * (10 / 20 + 11 / 20) / 2)  # 525 ms
     table = markdown_table([row])
-    assert "| DynMoE (average) | **55.00 ± 7.07** | **80.00 ± 14.14** | 3.00 ± 1.41 | 3.00 | 3.00 | 5.0 | 8/9.5 | 10 |" \
-        in table
+    assert "| DynMoE (average) | **55.00 ± 7.07** | **80.00 ± 14.14** | 3.00 ± 1.41 | 3.00 | 3.00 | 5.0 | 8/9.5 " \
+        "| - | - | 525 |" in table  # no top-k row: nothing to reach
 
 
 def test_aggregate_rejects_seeds_with_different_epochs():
@@ -85,13 +86,15 @@ def test_aggregate_rejects_seeds_with_different_epochs():
 
 
 def test_markdown_table_one_seed_bolds_the_best_of_each_column():
-    rows = [aggregate("top2", "MoE k=2", [_run(0, [55.0, 80.0], 2, [8, 8])]),
-            aggregate("dynmoe-average", "DynMoE (average)", [_run(0, [50.0, 81.0], 1.25, [9, 6])])]
+    rows = [aggregate("top2", "MoE k=2", [_run(0, [55.0, 80.0], 2, [8, 8])], "top_k"),
+            aggregate("dynmoe-average", "DynMoE (average)", [_run(0, [50.0, 81.0], 1.25, [9, 6])], "dynmoe")]
+    rows[1].flops_train, rows[1].flops_eval = 5000.0, 12000.0
     assert markdown_table(rows).splitlines() == [
-        "| model | 1 | 2 | mean k | final k | eval k | k=0 % | experts | wall s |",
-        "|---|---|---|---|---|---|---|---|---|",
-        "| MoE k=2 | **55.00** | 80.00 | 2.00 | 2.00 | 2.00 | 0.0 | 8/8 | 10 |",
-        "| DynMoE (average) | 50.00 | **81.00** | 1.25 | 1.25 | 1.25 | 0.0 | 9/6 | 10 |",
+        "| model | 1 | 2 | mean k | final k | eval k | k=0 % | experts | kFLOP/token train / eval "
+        "| reaches best top-k | ms/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| MoE k=2 | **55.00** | 80.00 | 2.00 | 2.00 | 2.00 | 0.0 | 8/8 | - | 2 | 500 |",
+        "| DynMoE (average) | 50.00 | **81.00** | 1.25 | 1.25 | 1.25 | 0.0 | 9/6 | 5 / 12 | 2 | 500 |",
     ]
     with pytest.raises(ValueError, match=r"\[3\] outside \[1, 2\]"):
         markdown_table(rows, epochs=[1, 3])
@@ -148,7 +151,7 @@ def test_routing_probe_counts_k0_and_restarts_recent_counts_at_mode_changes():
 def test_option_errors_name_the_value():
     with pytest.raises(ValueError, match="unknown model.*'top3'"):
         compare.parse_models("top2,top3")
-    assert compare.parse_models("default") == compare.DEFAULT_MODELS and "dynmoe-random" not in compare.DEFAULT_MODELS
+    assert compare.parse_models("default") == compare.DEFAULT_MODELS == list(compare.MODELS)
     with pytest.raises(ValueError, match=r"--seeds \('0,0'\)"):
         compare.parse_seeds("0,0")
     with pytest.raises(ValueError, match="moe.router is set by compare"):
@@ -180,7 +183,7 @@ def test_dynmoe_set_reaches_only_dynmoe_runs(tmp_path):
                              dynmoe_overrides=["adaptive.expert_init='random'"])
 
 
-TINY = ["--task", "synthetic", "--epochs", "2", "--models", "top2,dynmoe-average", "--seeds", "0",
+TINY = ["--task", "synthetic", "--epochs", "1", "--models", "top2,dense,dynmoe-average", "--seeds", "0,1",
         "--set", "task.num_samples=160", "--set", "model.dim=16", "--set", "model.ffn_dim=16",
         "--set", "train.global_batch_size=16"]
 
@@ -188,30 +191,45 @@ TINY = ["--task", "synthetic", "--epochs", "2", "--models", "top2,dynmoe-average
 def test_compare_end_to_end_on_the_synthetic_task(tmp_path, capsys):
     result = compare.main(TINY + ["--out", str(tmp_path)])
     results = json.loads((tmp_path / "results.json").read_text())
-    assert [m["model"] for m in results["models"]] == ["top2", "dynmoe-average"]
+    assert [m["model"] for m in results["models"]] == ["top2", "dense", "dynmoe-average"]
     assert results["settings"]["steps_per_epoch"] == 8  # 128 train samples / batch 16
     for model in results["models"]:
-        records = read_metrics(tmp_path / "runs" / model["model"] / "seed0" / "metrics.jsonl")
-        ends = [100 * r["test_accuracy"] for r in records if r["kind"] in ("eval", "final")]
-        assert model["runs"][0]["test_accuracy"] == pytest.approx(ends) and len(ends) == 2
-    top2, dyn = results["models"]
+        for seed in (0, 1):
+            records = read_metrics(tmp_path / "runs" / model["model"] / f"seed{seed}" / "metrics.jsonl")
+            ends = [100 * r["test_accuracy"] for r in records if r["kind"] in ("eval", "final")]
+            assert model["runs"][seed]["test_accuracy"] == pytest.approx(ends) and len(ends) == 1
+    top2, dense, dyn = results["models"]
     assert (top2["mean_k"], top2["eval_k"], top2["last_epoch_k0_share"]) == (2.0, 2.0, 0.0)
+    assert top2["flops_train"] == top2["flops_eval"] == 2 * 2 * 4 * 16 * 16  # 2 layers at k = 2, D = F = 16
+    assert dense["flops_eval"] == 2 * 4 * 16 * 16 and dense["runs"][0]["num_experts"] == []
+    assert math.isnan(dense["mean_k"]) and math.isnan(top2["skip_accuracy"])
     assert 'router = "top_any"' in (tmp_path / "runs" / "dynmoe-average" / "seed0" / "config.toml").read_text()
     assert dyn["eval_k"] >= 1.0  # the top-1 fallback: no token computes nothing at evaluation
+    assert 0 <= dyn["skip_accuracy"] <= 100 and len(dyn["skip_share_per_layer"]) == 2
+    assert dyn["ms_per_step"] > 0 and set(results["paired"]["dynmoe-average"]) == {"top2", "dense"}
     markdown = (tmp_path / "results.md").read_text()
-    assert "| MoE k=2 |" in markdown and "| DynMoE (average) |" in markdown and "![comparison]" in markdown
+    for text in ("| MoE k=2 |", "| dense (no MoE) |", "| DynMoE (average) |", "![comparison]", "reaches best top-k",
+                 "kFLOP/token", "ms/step", "| vs MoE k=2 | vs dense (no MoE) |", "acc, eval_k0 = skip"):
+        assert text in markdown
     assert (tmp_path / "comparison.png").stat().st_size > 0 and result["rows"][0].label == "MoE k=2"
 
-    # A second call reuses both finished runs; a changed option re-runs them.
+    # A second call reuses every finished run; a changed option re-runs them.
     log = []
     plan = compare.make_plan(compare_args(TINY + ["--out", str(tmp_path)]))
-    assert [r.accuracy_mean for r in compare.run_plan(plan, log=log.append)] == \
-        [r.accuracy_mean for r in result["rows"]]
-    assert sum("reusing" in line for line in log) == 2
+    again = compare.run_plan(plan, log=log.append)
+    assert [r.accuracy_mean for r in again] == [r.accuracy_mean for r in result["rows"]]
+    assert again[2].skip_accuracy == result["rows"][2].skip_accuracy  # read back from routing.json
+    assert sum("reusing" in line for line in log) == 6
     log.clear()
-    plan = compare.make_plan(compare_args(TINY + ["--out", str(tmp_path), "--set", "train.lr=0.01", "--models", "top2"]))
+    plan = compare.make_plan(compare_args(TINY + ["--out", str(tmp_path), "--set", "train.lr=0.01", "--models", "top2",
+                                                  "--seeds", "0"]))
     compare.run_plan(plan, log=log.append)
     assert "reusing" not in log[0] and "top2 seed 0: done" in log[0]
+
+
+def test_routing_json_of_an_earlier_version_is_still_read():
+    bare = {name: [1.0, 1.0] for name in FIELDS}  # the probe counts alone, no skip evaluation
+    assert compare.routing_of(bare)["eval_k"] == 1.0 and "skip_accuracy" not in compare.routing_of(bare)
 
 
 def compare_args(argv):
@@ -224,7 +242,7 @@ def compare_args(argv):
 def test_subcommands(capsys):
     assert experiments_main.main(["nope"]) == 2
     assert "unknown subcommand ('nope')" in capsys.readouterr().err
-    for name in ("compare", "baseline"):
+    for name in ("compare", "losses", "baseline"):
         with pytest.raises(SystemExit) as exit_info:
             experiments_main.main([name, "--help"])
         assert exit_info.value.code == 0
