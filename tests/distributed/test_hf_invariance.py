@@ -13,26 +13,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hf_tiny import NUM_LAYERS, corpus_lines, save_llama, save_tokenizer  # noqa: E402
+from hf_tiny import STEPS, hf_settings, write_tiny_run  # noqa: E402
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.parallel.simulate import run_simulated  # noqa: E402
-
-STEPS = 12
-# Every 3 steps an event (after steps 2, 5, 8, 11). 5 experts with a sparse start (threshold 0.3): some
-# experts get no token in a window (removed) while some tokens find no expert (one added). min_experts = 3
-# keeps at least one expert per rank at ep 3.
-ADAPTIVE = ["moe.num_experts=5", "moe.min_experts=3", "moe.threshold_init=0.3", "adaptive.period_steps=3"]
-
-
-def hf_settings(model_dir, text_file, steps=STEPS):
-    """The tiny run as --set overrides (also used by the torchrun and Ray tests)."""
-    return [
-        "task.name='causal-lm'", f"task.path='{text_file}'", f"task.tokenizer='{model_dir}'", "task.max_len=8",
-        "model.source='hf'", f"model.path='{model_dir}'", f"model.num_layers={NUM_LAYERS}", "model.moe_layers=[1, 2]",
-        "model.freeze=['model.embed_tokens', 'model.layers.0']", *ADAPTIVE, "train.precision='float64'",
-        f"train.max_steps={steps}", "train.global_batch_size=6", "train.lr=0.01", "train.warmup_steps=1",
-        "output.progress=false", "output.tensorboard=false", "output.report=false"]
 
 
 def probe_ids():
@@ -77,11 +61,7 @@ def hf_worker(model_dir, text_file, out_dir, world):
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    model_dir = tmp_path_factory.mktemp("tiny_llama")
-    save_llama(model_dir, save_tokenizer(model_dir))
-    text_file = tmp_path_factory.mktemp("text") / "corpus.txt"
-    text_file.write_text("\n".join(corpus_lines()) + "\n")
-    return str(model_dir), str(text_file)
+    return write_tiny_run(tmp_path_factory.mktemp("tiny_llama"))
 
 
 @pytest.fixture(scope="module")
