@@ -1,6 +1,15 @@
-"""A tiny LLaMA and a word-level tokenizer, built offline, for the Hugging Face tests (unit and distributed)."""
+"""A tiny LLaMA and a word-level tokenizer, built offline, for the Hugging Face tests (unit, distributed,
+integration, cluster), and the tiny adaptive run on them."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 WORDS = "the cat dog sat ran on a mat log red big small and then".split()
 NUM_LAYERS = 3
@@ -32,7 +41,6 @@ def save_llama(directory, vocab_size):
 
 def write_tiny_run(root):
     """The tiny LLaMA + tokenizer in root/model and its text in root/corpus.txt: (model dir, text file)."""
-    from pathlib import Path
     root = Path(root)
     model_dir, text_file = root / "model", root / "corpus.txt"
     save_llama(model_dir, save_tokenizer(model_dir))
@@ -55,3 +63,23 @@ def hf_settings(model_dir, text_file, steps=STEPS):
         "model.freeze=['model.embed_tokens', 'model.layers.0']", *ADAPTIVE, "train.precision='float64'",
         f"train.max_steps={steps}", "train.global_batch_size=6", "train.lr=0.01", "train.warmup_steps=1",
         "output.progress=false", "output.tensorboard=false", "output.report=false"]
+
+
+def train(cmd_prefix, out_dir, settings):
+    """Run a training command (`python -m dynmoe_dist.train`, `launcher/torchrun.sh N`) with --set settings;
+    its metrics.jsonl records."""
+    env = {**os.environ, "PYTHON": sys.executable, "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1"}
+    out_dir = Path(out_dir)
+    cmd = [*cmd_prefix, "--out-dir", str(out_dir)]
+    for setting in settings:
+        cmd += ["--set", setting]
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def changes(records):
+    """Removals and additions per event (a layer whose experts only moved logs an event on 2 ranks only)."""
+    return [(r["step"], r["layer"], r["removed"], [a["expert"] for a in r["added"]], r["num_experts"])
+            for r in records if r["kind"] == "event" and (r["removed"] or r["added"])]

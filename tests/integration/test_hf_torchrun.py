@@ -2,33 +2,13 @@
 experts, expert parallelism over both ranks) logs the per-step losses, events and expert counts of a
 1-process `python -m dynmoe_dist.train` run of the same settings (1e-9 relative)."""
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from hf_tiny import STEPS, hf_settings, write_tiny_run
+from hf_tiny import STEPS, changes, hf_settings, train, write_tiny_run
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def train(cmd_prefix, out_dir: Path, settings):
-    env = {**os.environ, "PYTHON": sys.executable, "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1"}
-    cmd = [*cmd_prefix, "--out-dir", str(out_dir)]
-    for setting in settings:
-        cmd += ["--set", setting]
-    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def changes(records):
-    """Removals and additions per event (a layer whose experts only moved logs an event on 2 ranks only)."""
-    return [(r["step"], r["layer"], r["removed"], [a["expert"] for a in r["added"]], r["num_experts"])
-            for r in records if r["kind"] == "event" and (r["removed"] or r["added"])]
 
 
 @pytest.fixture(scope="module")
