@@ -8,6 +8,7 @@ BENCHMARKS = {
     "ep": "dynmoe_dist.bench.ep",
     "adapt": "dynmoe_dist.bench.adapt",
     "memory": "dynmoe_dist.bench.memory",
+    "hf": "dynmoe_dist.bench.hf",
 }
 
 
