@@ -80,6 +80,8 @@ def train(cmd_prefix, out_dir, settings):
 
 
 def changes(records):
-    """Removals and additions per event (a layer whose experts only moved logs an event on 2 ranks only)."""
+    """(step, layer, removed, added ids, expert count) of each event that removed or added experts: what
+    must agree across world sizes. Moves and imbalance depend on the ep size, and so does whether a layer
+    whose experts only moved logs an event at all."""
     return [(r["step"], r["layer"], r["removed"], [a["expert"] for a in r["added"]], r["num_experts"])
             for r in records if r["kind"] == "event" and (r["removed"] or r["added"])]

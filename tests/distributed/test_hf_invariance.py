@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hf_tiny import STEPS, hf_settings, write_tiny_run  # noqa: E402
+from hf_tiny import STEPS, changes, hf_settings, write_tiny_run  # noqa: E402
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.parallel.simulate import run_simulated  # noqa: E402
@@ -21,17 +21,6 @@ from dynmoe_dist.parallel.simulate import run_simulated  # noqa: E402
 
 def probe_ids():
     return torch.randint(0, 16, (3, 7), generator=torch.Generator().manual_seed(0))
-
-
-def _changes(records):
-    """What must agree across worlds: the removals and additions. Moves and imbalance depend on the ep
-    size, and a layer whose experts only moved has an event record on more than one rank only."""
-    return [_event(r) for r in records if r["removed"] or r["added"]]
-
-
-def _event(record):
-    return (record["step"], record["layer"], record["removed"], [a["expert"] for a in record["added"]],
-            record["num_experts"])
 
 
 def hf_worker(model_dir, text_file, out_dir, world):
@@ -49,7 +38,7 @@ def hf_worker(model_dir, text_file, out_dir, world):
         record, new_events = step_once(trainer, adaptive)
         losses.append(record["loss"])
         counts.append(record["num_experts"])
-        events += _changes(new_events)
+        events += changes(new_events)  # removals and additions (moves depend on the ep size)
     checkpoint = CheckpointManager(trainer, adaptive).save()
     test_loss = trainer.evaluate()["test_loss"]
     trainer.model.eval()
