@@ -10,6 +10,7 @@ BENCHMARKS = {
     "memory": "dynmoe_dist.bench.memory",
     "gpu": "dynmoe_dist.bench.gpu",
     "scale": "dynmoe_dist.bench.scale",
+    "hf": "dynmoe_dist.bench.hf",
 }
 
 

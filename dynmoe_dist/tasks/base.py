@@ -75,6 +75,7 @@ TASK_OPTIONS: FrozenSet[str] = frozenset({
     "model.dim", "model.num_heads", "model.ffn_dim", "model.patch_size", "model.freeze",
     # a transformers model and its tokenizer (tasks/causal_lm.py); other tasks build their own model
     "model.source", "model.path", "task.tokenizer",
+    "model.bert_impl",  # the MiniLM tasks' model: models/bert.py or transformers.BertModel
 })
 
 

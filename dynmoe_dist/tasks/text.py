@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn as nn
 from torch import Tensor
 
 from ..models.bert import BertClassifier, BertConfig, BertTokenizer, load_bert, minilm_dir
@@ -41,15 +42,30 @@ class TextTask(Task):
         return build_minilm_classifier(run_config, self.num_classes)
 
 
-def build_minilm_classifier(run_config, num_classes: int) -> BertClassifier:
+def build_minilm_classifier(run_config, num_classes: int) -> nn.Module:
     """MiniLM (first model.num_layers layers) + head; upcycle model.moe_layers; freeze model.freeze."""
     m = run_config.model
+    if m.bert_impl == "transformers":
+        return build_hf_minilm_classifier(run_config, num_classes)
     bert = load_bert(num_layers=m.num_layers, dropout=m.dropout)
     model = BertClassifier(bert, num_classes)
     if m.moe_layers:
         # dim and ffn_dim come from the pre-trained block; upcycle overrides them per layer.
         upcycle(model, run_config.moe, layers=list(m.moe_layers))
     freeze_parameters(model, m.freeze)
+    return model
+
+
+def build_hf_minilm_classifier(run_config, num_classes: int) -> nn.Module:
+    """The same model on transformers.BertModel (model.bert_impl = 'transformers'); model.freeze may use
+    the built-in names ('embeddings', 'layers.0') or the transformers ones ('bert.encoder.layer.0')."""
+    from ..models.hf import upcycle_hf
+    from ..models.hf.minilm import HFSentenceClassifier, freeze_names, load_minilm
+    m = run_config.model
+    model = HFSentenceClassifier(load_minilm(num_layers=m.num_layers, dropout=m.dropout), num_classes)
+    if m.moe_layers:
+        upcycle_hf(model.bert, run_config.moe, layers=list(m.moe_layers))
+    freeze_parameters(model, freeze_names(m.freeze))
     return model
 
 
@@ -107,7 +123,7 @@ def build_sentiment(task_config) -> TextTask:
 
 
 # dim, num_heads and ffn_dim come from the pre-trained model; there are no patches.
-MINILM_READS = ("task.test_fraction", "task.max_len", "model.freeze")
+MINILM_READS = ("task.test_fraction", "task.max_len", "model.freeze", "model.bert_impl")
 
 
 @register("minilm-sentiment", reads=MINILM_READS, validate=validate_minilm)

@@ -101,10 +101,12 @@ class JobResult:
 
 
 def submit_job(nodes: RayNodes, storage: Path, name: str, settings: Sequence[str], num_workers: int = 2,
-               on_poll: Optional[Callable[[Path], None]] = None, timeout_s: float = JOB_TIMEOUT_S) -> JobResult:
-    """`ray job submit` (blocking, logs tailed) of the demo config; on_poll(out_dir) runs while it waits."""
+               on_poll: Optional[Callable[[Path], None]] = None, timeout_s: float = JOB_TIMEOUT_S,
+               config: str = DEMO) -> JobResult:
+    """`ray job submit` (blocking, logs tailed) of a run file (the demo config unless told: a path relative to
+    the uploaded checkout, or an absolute one on this machine); on_poll(out_dir) runs while it waits."""
     submission = f"dynmoe-test-{name}-{uuid.uuid4().hex[:8]}"
-    entry = [sys.executable, "-m", "dynmoe_dist.cluster.submit", "--config", DEMO, "--num-workers",
+    entry = [sys.executable, "-m", "dynmoe_dist.cluster.submit", "--config", config, "--num-workers",
              str(num_workers), "--storage-path", str(storage), "--name", name]
     for setting in settings:
         entry += ["--set", setting]

@@ -141,3 +141,51 @@ def test_matches_sentence_transformers(bert):
     expected = torch.tensor(reference.encode(texts, normalize_embeddings=True))
     ours = embeddings(bert, texts, max_len=64)
     assert (ours - expected).abs().max().item() < 1e-4
+
+
+# -- the same model on transformers.BertModel (model.bert_impl = 'transformers') ----------------------
+
+def test_freeze_names_map_the_builtin_prefixes():
+    from dynmoe_dist.models.hf.minilm import freeze_names
+    assert freeze_names(["embeddings", "layers.0", "layers.1.attn", "head", "bert.pooler"]) == [
+        "bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1.attn", "head", "bert.pooler"]
+
+
+def test_transformers_bert_computes_the_builtin_embeddings(bert):
+    from dynmoe_dist.models.hf.minilm import HFSentenceClassifier, load_minilm
+    ours = BertClassifier(bert, num_classes=2).eval()
+    hf = HFSentenceClassifier(load_minilm(), num_classes=2).eval()
+    hf.head.load_state_dict(ours.head.state_dict())
+    assert hf.bert.pooler is None and len(hf.bert.encoder.layer) == 6
+    batch = BertTokenizer(24)(SENTENCES + ["x"])  # padding on most rows
+    with torch.no_grad():
+        torch.testing.assert_close(hf(**batch).logits, ours(**batch).logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(hf.embed(**batch)[0], ours.embed(**batch)[0], rtol=0, atol=1e-5)
+
+
+def test_transformers_bert_upcycled_matches_dense_at_eval():
+    from dynmoe_dist.hf import upcycle_hf
+    from dynmoe_dist.models.hf.minilm import HFSentenceClassifier, load_minilm
+    dense = HFSentenceClassifier(load_minilm(num_layers=2), num_classes=2).eval()
+    moe = HFSentenceClassifier(load_minilm(num_layers=2), num_classes=2).eval()
+    moe.head.load_state_dict(dense.head.state_dict())
+    upcycle_hf(moe.bert, MoEConfig(num_experts=4), layers=[0, 1])
+    batch = BertTokenizer(24)(SENTENCES)
+    with torch.no_grad():
+        assert torch.allclose(moe(**batch).logits, dense(**batch).logits, atol=1e-5)
+    with pytest.raises(ValueError, match=r"num_layers \(7\) must be in \[1, 6\]"):
+        load_minilm(num_layers=7)
+
+
+@pytest.mark.slow
+def test_transformers_bert_matches_sentence_transformers():
+    from dynmoe_dist.models.hf.minilm import HFSentenceClassifier, load_minilm
+    st = pytest.importorskip("sentence_transformers")
+    reference = st.SentenceTransformer(str(minilm_dir()), device="cpu")
+    texts = SENTENCES + ["unflinchingly bleak and desperate", "x"]
+    expected = torch.tensor(reference.encode(texts, normalize_embeddings=True))
+    model = HFSentenceClassifier(load_minilm(), num_classes=2).eval()
+    batch = BertTokenizer(64)(texts)
+    with torch.no_grad():
+        ours = F.normalize(model.embed(**batch)[0], dim=-1)
+    assert (ours - expected).abs().max().item() < 1e-4

@@ -182,9 +182,32 @@ def test_sentiment_model_upcycles_freezes_and_trains(sentiment):
     assert model.layers[1].ffn.router.weight.grad is not None and model.head.weight.grad is not None
 
 
-def test_sentiment_model_rejects_too_many_layers(sentiment):
+def test_sentiment_model_on_transformers_bert_upcycles_freezes_and_trains(sentiment):
+    from dynmoe_dist.hf import MoEBlock
+    # the built-in freeze names work on the transformers model too
+    model = sentiment.build_model(_run_config(num_layers=2, moe_layers=[1], freeze=["embeddings", "layers.0"],
+                                              bert_impl="transformers"))
+    layers = model.bert.encoder.layer
+    assert len(layers) == 2 and isinstance(layers[1].intermediate, MoEBlock)
+    moe = layers[1].intermediate.moe
+    assert (moe.config.dim, moe.config.ffn_dim, moe.config.expert_kind) == (384, 1536, "ffn")
+    out = _train_step(sentiment, model)
+    assert out.logits.shape == (4, 2) and out.aux_loss.item() > 0
+    assert model.bert.embeddings.word_embeddings.weight.grad is None
+    assert layers[0].intermediate.dense.weight.grad is None and layers[0].attention.self.query.weight.grad is None
+    assert moe.router.weight.grad is not None and model.head.weight.grad is not None
+    assert layers[1].output.LayerNorm.weight.grad is not None  # LayerNorm stays outside the MoE, trained
+
+
+@pytest.mark.parametrize("impl", ["builtin", "transformers"])
+def test_sentiment_model_rejects_too_many_layers(sentiment, impl):
     with pytest.raises(ValueError, match=r"num_layers \(7\)"):
-        sentiment.build_model(_run_config(num_layers=7, moe_layers=[1]))
+        sentiment.build_model(_run_config(num_layers=7, moe_layers=[1], bert_impl=impl))
+
+
+def test_bert_impl_names_the_option_and_value():
+    with pytest.raises(ValueError, match=r"model.bert_impl \('hf'\) must be one of \('builtin', 'transformers'\)"):
+        ModelConfig(bert_impl="hf")
 
 
 def test_freeze_matches_whole_name_parts():
@@ -266,6 +289,10 @@ def test_jsonl_model_trains(tmp_path):
     model = task.build_model(_run_config(num_layers=1, moe_layers=[0]))
     out = _train_step(task, model, n=task.size("train"))
     assert out.logits.shape == (4, 2) and model.layers[0].ffn.experts.experts[1].w_out.grad is not None
+    hf = task.build_model(_run_config(num_layers=1, moe_layers=[0], bert_impl="transformers"))
+    out = _train_step(task, hf, n=task.size("train"))
+    assert out.logits.shape == (4, 2)
+    assert hf.bert.encoder.layer[0].intermediate.moe.experts.experts[1].w_out.grad is not None
 
 
 # -- vit-mnist ------------------------------------------------------------------------------------

@@ -1,0 +1,194 @@
+"""`python -m dynmoe_dist.bench hf`: training step time and memory per rank of an upcycled SmolLM2-shaped
+LLaMA against the dense model, at the same tokens and equal active parameters.
+
+The model is a ``transformers.LlamaForCausalLM`` with SmolLM2-135M's shapes (D = 576, F = 1536, 9 heads,
+3 key/value heads, vocabulary 49152, tied embedding) and random weights; 4 blocks by default instead of
+30. The MoE model upcycles every block's MLP (``--moe-blocks``) into ``--num-experts`` gated experts of
+the dense MLP's size with a top-k router, k = 1: each token runs one expert, i.e. exactly the dense
+FFN's parameters (the router adds E x D per block). Both train on the same random tokens on 2 simulated
+gloo ranks: the dense model data-parallel, the MoE model with its experts expert-parallel over both ranks
+(one all-to-all each way per MoE block) and its dense weights data-parallel. The tied embedding is frozen
+by default, as in the SmolLM2 demo (launcher/configs/smollm2_dynmoe.toml): its 28M-parameter AdamW update
+and gradient all-reduce would otherwise be most of both steps and hide the MoE's cost (``--train-embedding``
+includes it).
+
+Both models live in the same rank processes and their steps alternate (dense, MoE, dense, ...), so load
+from other processes hits both alike; a step's time is the slowest rank's, the figure the median over
+steps. Memory per rank, in MiB: ``state`` = parameters + gradients + AdamW state this rank holds, and
+``step_peak_rss`` = peak resident memory of one step above the resident memory before it (activations,
+all-to-all buffers). Target: MoE step <= 1.3 x the dense step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from types import SimpleNamespace
+from typing import Dict, List
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..moe import MoEConfig
+from ..moe.layer import find_moe_layers
+from ..parallel.groups import barrier, build_groups
+from ..parallel.simulate import run_simulated
+from .measure import machine_info, memory_supported, peak_rss_above_baseline_mb
+
+TARGETS = {"moe_over_dense_step_time": 1.3}
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+               vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048)
+MIB = 2 ** 20
+
+
+def dense_llama(num_layers: int) -> nn.Module:
+    import transformers as tf
+    torch.manual_seed(0)
+    return tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=num_layers, **SMOLLM2)).train()
+
+
+def upcycled(dense: nn.Module, blocks: List[int], num_experts: int) -> nn.Module:
+    from ..models.hf import upcycle_hf
+    torch.manual_seed(1)  # the routers' initialisation
+    moe = MoEConfig(num_experts=num_experts, router="top_k", top_k=1, aux_loss_weight=0.01)
+    return upcycle_hf(copy.deepcopy(dense), moe, layers=blocks)
+
+
+def active_parameters(model: nn.Module) -> int:
+    """Parameters one token uses: all of them, but only top_k experts' worth of each MoE layer."""
+    total = sum(p.numel() for p in model.parameters())  # tied weights are counted once
+    for _, layer in find_moe_layers(model):
+        expert_params = [sum(p.numel() for p in e.parameters()) for e in layer.experts.experts]
+        total -= sum(expert_params) - layer.config.top_k * max(expert_params)
+    return total
+
+
+def _mib(tensors) -> float:
+    return sum(t.numel() * t.element_size() for t in tensors) / MIB
+
+
+def state_mib(model: nn.Module, optimizer) -> float:
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    state = [v for p in params for k, v in optimizer.state.get(p, {}).items() if torch.is_tensor(v) and k != "step"]
+    return round(_mib(params) + _mib(grads) + _mib(state), 2)
+
+
+class Case:
+    """One model on this rank: parallelized, with its optimizer and gradient sync; ``step()`` trains once."""
+
+    def __init__(self, hf_model: nn.Module, ep_size: int, tokens_BL: torch.Tensor):
+        from ..models.hf import HFCausalLM
+        from ..parallel.expert_parallel import parallelize
+        from ..parallel.grads import GradSync
+        from ..train.optim import build_optimizer
+        self.model = HFCausalLM(hf_model)
+        self.groups = build_groups(ep_size)
+        self.shards = parallelize(self.model, self.groups)
+        self.optimizer = build_optimizer(self.model, SimpleNamespace(lr=1e-4, weight_decay=0.01, betas=(0.9, 0.999)))
+        self.sync = GradSync(self.model, self.groups)
+        self.tokens_BL = tokens_BL
+
+    def step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        out = self.model(self.tokens_BL[:, :-1])
+        loss = F.cross_entropy(out.logits.flatten(0, 1), self.tokens_BL[:, 1:].flatten()) + out.aux_loss
+        loss.backward()
+        self.sync.sync(self.shards)
+        self.optimizer.step()
+
+
+def rank_case(spec: Dict) -> Dict:
+    """One rank: build both models, alternate their steps, report times and memory."""
+    torch.set_num_threads(1)
+    args = SimpleNamespace(**spec)
+    dense = dense_llama(args.num_layers)
+    blocks = list(range(args.num_layers)) if args.moe_blocks is None else args.moe_blocks
+    moe = upcycled(dense, blocks, args.num_experts)
+    active = {"dense": active_parameters(dense), "moe": active_parameters(moe)}
+    if not args.train_embedding:
+        for model in (dense, moe):
+            model.get_input_embeddings().weight.requires_grad_(False)
+    rank = torch.distributed.get_rank()
+    tokens = torch.randint(0, SMOLLM2["vocab_size"], (args.batch_per_rank, args.seq_len + 1),
+                           generator=torch.Generator().manual_seed(100 + rank))
+    cases = {"dense": Case(dense, 1, tokens), "moe": Case(moe, 2, tokens)}
+    peaks = {}
+    for name, case in cases.items():
+        case.step()  # warm-up; optimizer state exists from here on
+        peaks[name] = peak_rss_above_baseline_mb(case.step) if memory_supported() else None
+    times: Dict[str, List[float]] = {name: [] for name in cases}
+    for _ in range(args.steps):
+        for name, case in cases.items():
+            barrier(case.groups, "bench hf step")
+            started = time.perf_counter()
+            case.step()
+            times[name].append(time.perf_counter() - started)
+    return {"rank": rank, "active_parameters": active, "step_s": times, "step_peak_rss_mib": peaks,
+            "state_mib": {name: state_mib(case.model, case.optimizer) for name, case in cases.items()}}
+
+
+def summarize(per_rank: List[Dict]) -> Dict:
+    """Slowest rank per step, median over steps; memory: the largest rank's; the ratio and the target."""
+    out: Dict = {"cases": {}}
+    for name in ("dense", "moe"):
+        slowest = [max(steps) for steps in zip(*(r["step_s"][name] for r in per_rank))]
+        peaks = [r["step_peak_rss_mib"][name] for r in per_rank]
+        out["cases"][name] = {"step_s_median": round(statistics.median(slowest), 4),
+                              "step_s_min": round(min(slowest), 4),
+                              "state_mib_per_rank": max(r["state_mib"][name] for r in per_rank),
+                              "step_peak_rss_mib_per_rank": None if None in peaks else max(peaks),
+                              "active_parameters": per_rank[0]["active_parameters"][name]}
+    ratio = out["cases"]["moe"]["step_s_median"] / out["cases"]["dense"]["step_s_median"]
+    active = out["cases"]["moe"]["active_parameters"] / out["cases"]["dense"]["active_parameters"]
+    out["moe_over_dense_step_time"] = round(ratio, 3)
+    out["moe_over_dense_active_parameters"] = round(active, 5)
+    out["meets_time_target"] = ratio <= TARGETS["moe_over_dense_step_time"]
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dynmoe_dist.bench hf", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-layers", type=int, default=4, help="LLaMA blocks (SmolLM2-135M has 30)")
+    p.add_argument("--moe-blocks", type=int, nargs="+", default=None, help="upcycled blocks (default: all)")
+    p.add_argument("--num-experts", type=int, default=4, help="experts per MoE block (2 per rank)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-per-rank", type=int, default=4)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per model (after 2 untimed ones)")
+    p.add_argument("--train-embedding", action="store_true", help="train the tied embedding too")
+    p.add_argument("--timeout-s", type=float, default=900)
+    return p
+
+
+def check(args) -> None:
+    if args.num_layers < 1:
+        raise ValueError(f"--num-layers ({args.num_layers}) must be >= 1")
+    if args.num_experts < 2:
+        raise ValueError(f"--num-experts ({args.num_experts}) must be >= 2: one expert per rank at least")
+    for block in args.moe_blocks or []:
+        if not 0 <= block < args.num_layers:
+            raise ValueError(f"--moe-blocks ({args.moe_blocks}) must lie in 0..{args.num_layers - 1}")
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    try:
+        check(args)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    spec = {k: getattr(args, k) for k in ("num_layers", "moe_blocks", "num_experts", "seq_len", "batch_per_rank",
+                                          "steps", "train_embedding")}
+    per_rank = run_simulated(rank_case, 2, args=(spec,), timeout_s=args.timeout_s,
+                             env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"})
+    print(json.dumps({"benchmark": "hf", "targets": TARGETS, **summarize(per_rank), "world": 2,
+                      "model": {**SMOLLM2, "num_hidden_layers": args.num_layers, "router": "top_k", "top_k": 1},
+                      "config": vars(args), "machine": machine_info(1)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""`ray job submit` of the tiny upcycled HF LLaMA (a run file under tmp_path + --set ep_size 2; float64,
+adaptive events that remove and add experts, planned by the Ray actor) on a local Ray head logs the
+per-step losses, events and expert counts of a 1-process `python -m dynmoe_dist.train` run (1e-9)."""
+
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from hf_tiny import STEPS, changes, hf_settings, train, write_tiny_run
+from raytest import read_records, submit_job
+
+# About 70 s (Ray head start, job upload, 2 workers loading transformers) on 2 shared cores.
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+def write_run_file(path: Path, settings) -> Path:
+    """--set overrides (SECTION.KEY=TOML value) as a TOML run file."""
+    sections = defaultdict(list)
+    for setting in settings:
+        key, value = setting.split("=", 1)
+        section, name = key.split(".", 1)
+        sections[section].append(f"{name} = {value}")
+    path.write_text("".join(f"[{s}]\n" + "\n".join(lines) + "\n\n" for s, lines in sections.items()))
+    return path
+
+
+def test_ray_job_of_an_hf_model_matches_one_process(ray_head, tmp_path):
+    settings = hf_settings(*write_tiny_run(tmp_path / "files"))
+    reference = train([sys.executable, "-m", "dynmoe_dist.train"], tmp_path / "one", settings)
+    run_file = write_run_file(tmp_path / "tiny_hf.toml", settings)
+    job = submit_job(ray_head, tmp_path, "hf", ["parallel.ep_size=2"], config=str(run_file))
+    assert job.succeeded, job.output[-4000:]
+    assert job.summary()["steps"] == STEPS and job.summary()["planned_by"] == ["ray"]
+    got = {r["step"]: r for r in job.records("step")}
+    want = {r["step"]: r for r in reference if r["kind"] == "step"}
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    for step, record in want.items():
+        assert abs(got[step]["loss"] - record["loss"]) <= 1e-9 * abs(record["loss"]), step
+        assert got[step]["num_experts"] == record["num_experts"], step
+    events = changes(reference)
+    assert any(e[2] for e in events) and any(e[3] for e in events)
+    assert changes(read_records(job.out_dir, "event")) == events
