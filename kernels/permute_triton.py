@@ -16,6 +16,8 @@ R = 0, D = 0) return without launching a grid.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -91,7 +93,7 @@ def _row_grad_kernel(grad_ptr, rows_ptr, token_ptr, weight_ptr, grad_rows_ptr, g
 
 
 # -- launchers (plain functions; the autograd wrappers follow) ----------------------------------------
-def gather(x_TD: Tensor, token_R: Tensor, weight_R: Tensor = None) -> Tensor:
+def gather(x_TD: Tensor, token_R: Tensor, weight_R: Optional[Tensor] = None) -> Tensor:
     """out_RD[r] = x_TD[token_R[r]], times weight_R[r] when given."""
     # The kernels index with unit strides: routed_pairs' token column of nonzero_static has stride 2.
     x_TD, token_R = x_TD.contiguous(), token_R.contiguous()
@@ -115,7 +117,7 @@ def token_segments(token_R: Tensor, num_tokens: int):
     return order_R, starts_T1
 
 
-def segment_sum(rows_RD: Tensor, token_R: Tensor, num_tokens: int, weight_R: Tensor = None) -> Tensor:
+def segment_sum(rows_RD: Tensor, token_R: Tensor, num_tokens: int, weight_R: Optional[Tensor] = None) -> Tensor:
     """out_TD[t] = sum of rows_RD[r] (times weight_R[r]) over the rows of token t; 0 for no rows."""
     rows_RD, token_R = rows_RD.contiguous(), token_R.contiguous()
     weight_R = weight_R.contiguous() if weight_R is not None else None
@@ -145,7 +147,7 @@ def row_grads(grad_TD: Tensor, rows_RD: Tensor, token_R: Tensor, weight_R: Tenso
     _row_grad_kernel[(num_rows,)](
         grad_TD, rows_RD, token_R, weight_R, grad_rows if need_rows else rows_RD,
         grad_weight if need_weight else weight_R, dim, grad_TD.stride(0), rows_RD.stride(0),
-        grad_rows.stride(0) if need_rows else 0, NEED_ROWS=need_rows, NEED_WEIGHT=need_weight,
+        grad_rows.stride(0) if grad_rows is not None else 0, NEED_ROWS=need_rows, NEED_WEIGHT=need_weight,
         ACC=_acc(grad_TD, rows_RD, weight_R), BLOCK_D=_block_d(dim))
     return grad_rows, grad_weight
 

@@ -175,6 +175,7 @@ class MoEConfig:
         _require(self.ffn_dim >= 1, f"ffn_dim ({self.ffn_dim}) must be >= 1")
         _require(self.num_experts >= 1, f"num_experts ({self.num_experts}) must be >= 1")
         _require(self.min_experts >= 1, f"min_experts ({self.min_experts}) must be >= 1")
+        assert self.max_experts is not None and self.aux_losses is not None, "filled in above"
         _require(
             self.max_experts >= self.num_experts,
             f"max_experts ({self.max_experts}) < num_experts ({self.num_experts})",

@@ -29,12 +29,14 @@ def diverse_loss(weight_ED: Tensor) -> Tensor:
     wn_ED = F.normalize(weight_ED.to(gate_dtype(weight_ED)), dim=-1, eps=COSINE_EPS)
     gram_EE = wn_ED @ wn_ED.t()
     eye_EE = torch.eye(gram_EE.shape[0], dtype=gram_EE.dtype, device=gram_EE.device)
-    return torch.linalg.matrix_norm(gram_EE - eye_EE, ord="fro")
+    norm: Tensor = torch.linalg.matrix_norm(gram_EE - eye_EE, ord="fro")
+    return norm
 
 
 def simple_loss(weight_ED: Tensor) -> Tensor:
     """mean_e ||W_e||_2."""
-    return weight_ED.to(gate_dtype(weight_ED)).norm(dim=-1).mean()
+    norms_E: Tensor = torch.linalg.vector_norm(weight_ED.to(gate_dtype(weight_ED)), dim=-1)
+    return norms_E.mean()
 
 
 # -- token-statistic losses: local sums -> one reduction -> the loss of the global batch -------------
@@ -70,6 +72,7 @@ def token_sums(name: str, routing: Routing) -> List[Tensor]:
         return [routing.gates.sum().to(dtype).reshape(1), count]
     if name == "switch":
         count = torch.full((1,), float(num_tokens), dtype=dtype, device=routing.mask.device)
+        assert routing.probs is not None, "the switch loss needs the router's softmax probabilities"
         return [routing.mask.to(dtype).sum(dim=0), count, routing.probs.to(dtype).sum(dim=0)]
     if name == "entropy":
         count = torch.full((1,), float(num_tokens), dtype=dtype, device=routing.mask.device)
@@ -106,7 +109,7 @@ def reduce_together(groups: Sequence[Sequence[Tensor]], reduce_sum: ReduceSum) -
     flat = [t.reshape(-1) for group in groups for t in group]
     if not flat:
         return [[] for _ in groups]
-    reduced = reduce_sum(torch.cat(flat)).split([t.numel() for t in flat])
+    reduced = torch.split(reduce_sum(torch.cat(flat)), [t.numel() for t in flat])
     out, index = [], 0
     for group in groups:
         out.append([r.reshape(t.shape) for r, t in zip(reduced[index:index + len(group)], group)])

@@ -12,7 +12,7 @@ that the efficiency and load-balance losses need (for top-k/top-p it is the mask
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +58,8 @@ def cosine_scores(x_TD: Tensor, gate_ED: Tensor) -> Tensor:
     x_TD = x_TD.to(dtype)
     gate_ED = F.normalize(gate_ED.to(dtype), dim=-1, eps=COSINE_EPS)
     norm_T1 = torch.linalg.vector_norm(x_TD, dim=-1, keepdim=True).clamp_min(COSINE_EPS)
-    return (x_TD @ gate_ED.t()) / norm_T1
+    cosine_TE: Tensor = (x_TD @ gate_ED.t()) / norm_T1
+    return cosine_TE
 
 
 def straight_through_sign(r_TE: Tensor) -> Tensor:
@@ -100,7 +101,8 @@ def top_any(
     return Routing(mask_TE, weights_TE, num_selected_T, gates_TE, probs_TE)
 
 
-def _top1_fallback(probs_TE: Tensor, mask_TE: Tensor, weights_TE: Tensor, num_selected_T: Tensor):
+def _top1_fallback(probs_TE: Tensor, mask_TE: Tensor, weights_TE: Tensor,
+                   num_selected_T: Tensor) -> Tuple[Tensor, Tensor]:
     """Give every token with k = 0 its argmax expert with weight 1 (a constant: no gate gradient)."""
     empty_T = num_selected_T == 0
     best_T = probs_TE.detach().argmax(dim=-1)

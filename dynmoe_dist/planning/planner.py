@@ -94,7 +94,8 @@ class Plan:
 
 
 def plan(stats: Sequence[WindowStats], placements: Sequence[Placement], configs: Sequence[PlannerConfig], *,
-         version: int, step: int, has_discarded: Sequence[bool], load_history: Optional[Sequence] = None,
+         version: int, step: int, has_discarded: Sequence[bool],
+         load_history: Optional[Sequence[Sequence[float]]] = None,
          planned_by: str = "collective") -> Plan:
     if not len(stats) == len(placements) == len(configs) == len(has_discarded):
         raise ValueError(f"plan inputs disagree on the number of layers: stats {len(stats)}, placements "
@@ -107,7 +108,7 @@ def plan(stats: Sequence[WindowStats], placements: Sequence[Placement], configs:
 
 
 def plan_layer(index: int, stats: WindowStats, placement: Placement, cfg: PlannerConfig, has_discarded: bool,
-               history=None, seed: int = 0) -> LayerPlan:
+               history: Optional[Sequence[float]] = None, seed: int = 0) -> LayerPlan:
     counts = [float(c) for c in stats.counts_E]  # NOTE: device-to-host sync (planning time, once per event)
     if len(counts) != placement.num_experts:
         raise ValueError(f"layer {index}: statistics for {len(counts)} experts, placement has {placement.num_experts}")
@@ -133,6 +134,7 @@ def choose_removals(counts: List[float], cfg: PlannerConfig) -> List[int]:
 
 def choose_additions(stats: WindowStats, counts: List[float], kept: List[int], removed: List[int],
                      cfg: PlannerConfig, has_discarded: bool, seed: int) -> List[AddSpec]:
+    assert cfg.moe.max_experts is not None, "MoEConfig fills max_experts in __post_init__"
     room = cfg.moe.max_experts - len(kept)
     num_adds = min(cfg.adaptive.max_adds_per_event, room) if wants_new_expert(stats, cfg.adaptive) else 0
     gates = new_gates(stats, num_adds)
@@ -148,7 +150,8 @@ def wants_new_expert(stats: WindowStats, adaptive: PlanningOptions) -> bool:
     return stats.num_unrouted / max(stats.num_tokens, 1.0) > adaptive.min_unrouted_share
 
 
-def _add_spec(strategy, counts, kept, removed, has_discarded, gate, seed) -> AddSpec:
+def _add_spec(strategy: str, counts: List[float], kept: List[int], removed: List[int], has_discarded: bool,
+              gate: Tuple[float, ...], seed: int) -> AddSpec:
     name, source, coeffs = init_strategy(strategy, counts, kept, removed, has_discarded)
     return AddSpec(name, gate, source, coeffs, seed)
 
@@ -167,7 +170,8 @@ def new_gates(stats: WindowStats, num_adds: int) -> List[Tuple[float, ...]]:
     return [tuple((s / s.norm().clamp(min=1e-12)).tolist()) for s in sums]  # NOTE: device-to-host sync (planning time)
 
 
-def init_strategy(strategy: str, counts: List[float], kept: List[int], removed: List[int], has_discarded: bool):
+def init_strategy(strategy: str, counts: List[float], kept: List[int], removed: List[int],
+                  has_discarded: bool) -> Tuple[str, str, Tuple[Tuple[int, float], ...]]:
     """(name as logged, source, coefficients over old expert ids) for the FFN weights of a new expert."""
     if strategy == "reuse_discarded":
         if removed:
@@ -191,7 +195,8 @@ def init_strategy(strategy: str, counts: List[float], kept: List[int], removed: 
     raise ValueError(f"adaptive.expert_init ({strategy!r}) is not a known strategy")
 
 
-def estimated_loads(counts, kept, added, stats: WindowStats, history=None) -> List[float]:
+def estimated_loads(counts: List[float], kept: List[int], added: Sequence[AddSpec], stats: WindowStats,
+                    history: Optional[Sequence[float]] = None) -> List[float]:
     """Rows each expert of the new set will take: its window count (averaged with the history when given).
     A new expert takes the unrouted tokens (shared among the new experts) and, its threshold starting
     at 0, about as many as the busiest kept expert: measured (bench adapt), a new expert attracts far
