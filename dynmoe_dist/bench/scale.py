@@ -162,7 +162,8 @@ def profiles(num_experts: int, recorded: Optional[Dict]):
 
 
 def simulate(ranks_list=RANKS, experts_list=EXPERTS, mapping: str = "ep-le-experts", recorded=None,
-             net: netmodel.Network = netmodel.Network(), repeats: int = 3, factors=REPLICATE_FACTORS) -> Dict:
+             net: Optional[netmodel.Network] = None, repeats: int = 3, factors=REPLICATE_FACTORS) -> Dict:
+    net = net if net is not None else netmodel.Network()
     cases = [run_case(ranks, shares, name, mapping, net, repeats, factor) for factor in factors
              for ranks in ranks_list for num_experts in experts_list
              for name, shares in profiles(num_experts, recorded)]

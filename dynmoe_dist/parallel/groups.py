@@ -136,9 +136,9 @@ def elastic_attempt_store(timeout: timedelta) -> Optional[Any]:
     return dist.PrefixStore(f"dynmoe/attempt_{attempt}", client)
 
 
-def build_groups(ep_size: int, device: torch.device = torch.device("cpu"),
-                 timeout_s: float = 120.0) -> ParallelGroups:
-    """ParallelGroups for an initialised default group (collective: call on every rank)."""
+def build_groups(ep_size: int, device: Optional[torch.device] = None, timeout_s: float = 120.0) -> ParallelGroups:
+    """ParallelGroups for an initialised default group (collective: call on every rank); CPU by default."""
+    device = device if device is not None else torch.device("cpu")
     world_size, rank = dist.get_world_size(), dist.get_rank()
     ep_size = resolve_ep_size(ep_size, world_size)
     ep_group, expert_dp_group = _subgroups(world_size, ep_size, rank, timeout_s)

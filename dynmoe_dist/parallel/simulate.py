@@ -98,10 +98,11 @@ def _collect(queue: Any, procs: List[Any], world_size: int, timeout_s: float) ->
             if dead and queue.empty():
                 time.sleep(0.5)  # a rank may have queued its result just before exiting
             if dead and queue.empty():
-                raise SimulationError(f"rank(s) {dead} died (exit codes {[procs[i].exitcode for i in dead]})")
+                raise SimulationError(f"rank(s) {dead} died (exit codes {[procs[i].exitcode for i in dead]})") from None
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(results))
-                raise SimulationError(f"simulated cluster timed out after {timeout_s:g}s; ranks {missing} unfinished")
+                raise SimulationError(
+                    f"simulated cluster timed out after {timeout_s:g}s; ranks {missing} unfinished") from None
             continue
         if status == "error":
             raise SimulationError(f"rank {rank} failed:\n{payload}")

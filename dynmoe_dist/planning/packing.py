@@ -214,7 +214,8 @@ def pack_experts(loads: Sequence[float], homes: Sequence[Sequence[int]], ep_size
         if _cannot_win(load_lower_bound(loads, replicas, ep_size), sum(replicas), best_key):
             continue
         def limit() -> Optional[float]:
-            return None if best_key is None else best_key[0]
+            # Late binding on purpose: the best key improves while this option's packings are tried.
+            return None if best_key is None else best_key[0]  # noqa: B023
 
         for assigned in _assignments(make_items(loads, replicas), homes, ep_size, rebalance, limit):
             if assigned is None:

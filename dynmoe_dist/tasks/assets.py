@@ -133,4 +133,4 @@ if __name__ == "__main__":
     try:
         main()
     except AssetError as err:
-        raise SystemExit(f"dynmoe_dist.tasks.assets: {err}")
+        raise SystemExit(f"dynmoe_dist.tasks.assets: {err}") from err

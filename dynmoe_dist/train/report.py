@@ -53,7 +53,7 @@ class ReportSeries:
     final: Optional[Dict[str, Any]] = None
 
     def event_steps(self, change: str, layer: Optional[int] = None) -> np.ndarray:
-        return np.array([s for s, l, c in self.events if c == change and layer in (None, l)], dtype=np.int64)
+        return np.array([s for s, at, c in self.events if c == change and layer in (None, at)], dtype=np.int64)
 
 
 def latest_attempt(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
