@@ -43,7 +43,7 @@ LOAD_STEPS = 5
 class TimedCoordinator(CollectiveCoordinator):
     """CollectiveCoordinator.submit with a clock between its phases (same calls, same order)."""
 
-    def __init__(self, groups):
+    def __init__(self, groups) -> None:
         super().__init__(groups)
         self.phases: Dict[str, float] = {}
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable, List, Sequence
+from typing import Callable, Dict, List, Sequence, cast
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
 from ..moe import MoEConfig, MoELayer
+from ..moe.layer import TopAnyRouter
 from ..parallel.dispatch import exchange_rows
 from ..parallel.expert_parallel import parallelize
 from ..parallel.groups import ParallelGroups, sum_over_ranks
@@ -116,8 +117,10 @@ def calibrate_threshold(layer: MoELayer, x_TD: Tensor, groups: ParallelGroups, t
 
 
 def _set_thresholds(layer: MoELayer, value: float) -> None:
+    router = layer.router
+    assert isinstance(router, TopAnyRouter), "calibrate_threshold checked that the layer is top_any"
     with torch.no_grad():
-        layer.router.threshold.fill_(value)
+        router.threshold.fill_(value)
 
 
 def _mean_k_at(layer: MoELayer, x_TD: Tensor, groups: ParallelGroups, value: float) -> float:
@@ -134,7 +137,7 @@ def fairscale_bytes_per_direction(num_tokens: int, num_experts: int, dim: int, e
 def fairscale_kept_pairs(layer: nn.Module, x_TD: Tensor) -> int:
     """(token, expert) pairs Top2Gate keeps within capacity (the rest of the buffer is zero padding)."""
     with torch.no_grad():
-        _, _, dispatch_mask_TEC = layer.gate(x_TD)
+        _, _, dispatch_mask_TEC = cast(nn.Module, layer.gate)(x_TD)  # fairscale's Top2Gate
     return int(dispatch_mask_TEC.sum())  # NOTE: device-to-host sync
 
 
@@ -154,7 +157,7 @@ def capture_received(layer: MoELayer, x_TD: Tensor) -> Received:
 
     The dispatcher keeps nothing between calls (by design), so the sizes are caught on their way out
     of ``dispatch`` by a wrapper set on the instance for this one call."""
-    seen = {}
+    seen: Dict[str, List[int]] = {}
     dispatch = layer.dispatcher.dispatch
 
     def recording(x, routing):
@@ -163,7 +166,8 @@ def capture_received(layer: MoELayer, x_TD: Tensor) -> Received:
                     send=list(meta.send_splits), recv=list(meta.recv_splits))
         return rows, counts_e, meta
 
-    layer.dispatcher.dispatch = recording
+    # an instance attribute shadowing the method (mypy rejects assigning to a method by name)
+    setattr(layer.dispatcher, "dispatch", recording)  # noqa: B010
     try:
         with torch.no_grad():
             layer(x_TD)

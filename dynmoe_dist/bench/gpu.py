@@ -26,7 +26,7 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 SCHEMA = "dynmoe_dist.gpu_check/1"
 TOTAL_BUDGET_S = 340.0
@@ -124,9 +124,10 @@ def build_report(records: List[dict], context: dict, wall_s: float) -> dict:
             "summary": counts, "sections": records}
 
 
-SECTION_KEYS = {"name": str, "what": str, "cap_s": (int, float), "status": str, "seconds": (int, float)}
-REPORT_KEYS = {"schema": str, "started_utc": str, "wall_s": (int, float), "cuda": bool, "rehearsal": bool,
-               "summary": dict, "sections": list}
+KeyKinds = Dict[str, Union[type, Tuple[type, ...]]]  # key -> the isinstance() classes its value must have
+SECTION_KEYS: KeyKinds = {"name": str, "what": str, "cap_s": (int, float), "status": str, "seconds": (int, float)}
+REPORT_KEYS: KeyKinds = {"schema": str, "started_utc": str, "wall_s": (int, float), "cuda": bool,
+                         "rehearsal": bool, "summary": dict, "sections": list}
 
 
 def check_schema(report: dict) -> None:
@@ -184,7 +185,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     modules_at_start = set(sys.modules)
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     from dynmoe_dist.bench import gpu_sections
-    sections = gpu_sections.SECTIONS
+    sections: Sequence[Section] = gpu_sections.SECTIONS
     if args.only:
         wanted = args.only.split(",")
         unknown = sorted(set(wanted) - {s.name for s in sections})

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
-from typing import Dict, List
+from typing import Any, Dict, List, Tuple, TypedDict
 
 import torch
 
@@ -38,7 +38,7 @@ def reference_layer(router: str, num_experts: int = 8, dim: int = 32, ffn_dim: i
         # (A / ||A||) is the direction of fp32 rounding noise, which no precision comparison survives.
         layer.router.weight.add_(0.2 * torch.randn_like(layer.router.weight))
         if router == "top_any":
-            layer.router.threshold[-1] = 2.0  # cosines never exceed 1: an expert with no rows
+            layer_cases.top_any_router(layer).threshold[-1] = 2.0  # cosines never exceed 1: an expert with no rows
     return layer
 
 
@@ -49,7 +49,7 @@ def _far_from_boundaries(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
         probs_TE = routing.probs
         if layer.config.router == "top_any":
             cos_TE = torch.logit(probs_TE)  # scale 1: sigmoid(cos)
-            return ((cos_TE - layer.router.threshold).abs() > MARGIN).all(dim=-1)
+            return ((cos_TE - layer_cases.top_any_router(layer).threshold).abs() > MARGIN).all(dim=-1)
         sorted_TE = probs_TE.sort(dim=-1, descending=True).values
         if layer.config.router == "top_k":
             k = layer.config.top_k
@@ -127,7 +127,8 @@ def grouped_vs_loop(context: dict) -> Dict:
     """Both expert paths against the float64 reference (two bf16 computations differ from each other by
     up to twice the error of either, so each is held to the reference's bound; their mutual difference
     is reported)."""
-    results, device = [], context["device"]
+    results: List[Dict[str, Any]] = []  # per precision, JSON
+    device = context["device"]
     ref_layer = reference_layer("top_k", num_experts=8, dim=64, ffn_dim=128)
     x_TD = routed_tokens(ref_layer, 512, seed=3)
     grad_TD = torch.randn(x_TD.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
@@ -156,8 +157,17 @@ def grouped_vs_loop(context: dict) -> Dict:
 
 
 # -- bf16 throughput -------------------------------------------------------------------------------------
-THROUGHPUT_SHAPE = {"dim": 2048, "ffn_dim": 5632, "tokens": 16384, "k": 2, "experts": (8, 64)}
-REHEARSAL_SHAPE = {"dim": 32, "ffn_dim": 64, "tokens": 256, "k": 2, "experts": (4, 8)}
+class ThroughputShape(TypedDict):
+    dim: int
+    ffn_dim: int
+    tokens: int
+    k: int
+    experts: Tuple[int, ...]
+    """One throughput case per expert count."""
+
+
+THROUGHPUT_SHAPE: ThroughputShape = {"dim": 2048, "ffn_dim": 5632, "tokens": 16384, "k": 2, "experts": (8, 64)}
+REHEARSAL_SHAPE: ThroughputShape = {"dim": 32, "ffn_dim": 64, "tokens": 256, "k": 2, "experts": (4, 8)}
 TARGETS = {"moe_vs_dense_tokens_per_s": (">=", 0.8), "top_any_vs_top_k_time": ("<=", 1.05)}
 
 
@@ -205,7 +215,7 @@ def _bf16(step, device: str):
     return wrapped
 
 
-def throughput_case(num_experts: int, shape: Dict, device: str) -> Dict:
+def throughput_case(num_experts: int, shape: ThroughputShape, device: str) -> Dict:
     spec = layer_cases.CaseSpec(case="top_k", tokens=shape["tokens"], dim=shape["dim"], ffn_dim=shape["ffn_dim"],
                                 num_experts=num_experts, k=shape["k"])
     with torch.device(device):

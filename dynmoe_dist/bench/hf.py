@@ -27,7 +27,7 @@ import json
 import statistics
 import time
 from types import SimpleNamespace
-from typing import Dict, List
+from typing import Dict, List, TypedDict
 
 import torch
 import torch.nn as nn
@@ -40,8 +40,22 @@ from ..parallel.simulate import run_simulated
 from .measure import machine_info, memory_supported, peak_rss_above_baseline_mb
 
 TARGETS = {"moe_over_dense_step_time": 1.3}
-SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-               vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048)
+
+
+class LlamaShape(TypedDict):
+    """The LlamaConfig fields the benchmark sets (besides num_hidden_layers)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+
+SMOLLM2 = LlamaShape(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                     vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048)
 MIB = 2 ** 20
 
 
@@ -104,6 +118,7 @@ class Case:
 
 def rank_case(spec: Dict) -> Dict:
     """One rank: build both models, alternate their steps, report times and memory."""
+    from ..models.hf.loading import input_embeddings
     torch.set_num_threads(1)
     args = SimpleNamespace(**spec)
     dense = dense_llama(args.num_layers)
@@ -112,7 +127,7 @@ def rank_case(spec: Dict) -> Dict:
     active = {"dense": active_parameters(dense), "moe": active_parameters(moe)}
     if not args.train_embedding:
         for model in (dense, moe):
-            model.get_input_embeddings().weight.requires_grad_(False)
+            input_embeddings(model).weight.requires_grad_(False)
     rank = torch.distributed.get_rank()
     tokens = torch.randint(0, SMOLLM2["vocab_size"], (args.batch_per_rank, args.seq_len + 1),
                            generator=torch.Generator().manual_seed(100 + rank))

@@ -17,7 +17,7 @@ import contextlib
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Iterator, List, Tuple
+from typing import Any, Iterator, List, Tuple
 
 import torch
 
@@ -32,8 +32,9 @@ def _source_roots() -> Tuple[str, ...]:
     roots = {Path(dynmoe_dist.__file__).resolve().parent}
     for sub in ("kernels", "cluster"):
         module = sys.modules.get(f"dynmoe_dist.{sub}")
-        if module is not None and getattr(module, "__file__", None):
-            roots.add(Path(module.__file__).resolve().parent)
+        path = getattr(module, "__file__", None) if module is not None else None
+        if path:
+            roots.add(Path(path).resolve().parent)
     return tuple(str(root) + "/" for root in roots)
 
 
@@ -45,10 +46,10 @@ def _is_bool_index(index) -> bool:
 class HostReadCounter:
     """``with HostReadCounter() as reads: ...``; then ``reads.calls`` lists (kind, 'file:line')."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.calls: List[Tuple[str, str]] = []
         self._roots = _source_roots()
-        self._saved = []
+        self._saved: List[Tuple[Any, str, Any]] = []  # (owner, attribute name, original) to restore
 
     @property
     def count(self) -> int:

@@ -17,7 +17,7 @@ import argparse
 import json
 import math
 import shlex
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -155,7 +155,7 @@ def _scaling_row(args: argparse.Namespace, tokens: int) -> dict:
     steps, cases = _build_steps(args, SCALING_CASES, tokens, skip_dispatch=skip_reason is not None)
     timings = measure.time_interleaved(steps, repeats=args.scaling_repeats, warmup=1)
     del steps
-    row = {"tokens": tokens}
+    row: Dict[str, Any] = {"tokens": tokens}  # a JSON row: case name -> its timings
     for name in SCALING_CASES:
         if name not in timings:
             row[name] = {"skipped": skip_reason}

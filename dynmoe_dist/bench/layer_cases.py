@@ -16,17 +16,18 @@ import ctypes
 import gc
 import json
 from dataclasses import asdict, dataclass, replace
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from dynmoe_dist.bench import measure
 from dynmoe_dist.bench.dense_dispatch import dense_dispatch_forward
 from dynmoe_dist.moe import ExpertBank, FeedForward, MoEConfig, MoELayer
+from dynmoe_dist.moe.layer import TopAnyRouter
 from dynmoe_dist.moe.routing import top_any
 
 # case -> (router, expert_compute) of the MoELayer it runs; dense_limit runs no MoELayer.
-CASES = {
+CASES: Dict[str, Optional[Tuple[str, str]]] = {
     "top_any": ("top_any", "auto"),
     "top_k": ("top_k", "auto"),
     "top_any_grouped_mm": ("top_any", "grouped_mm"),
@@ -72,9 +73,16 @@ def make_tokens(spec: CaseSpec, num_rows: Optional[int] = None) -> Tuple[torch.T
     return x_TD.requires_grad_(True), grad_TD
 
 
+def top_any_router(layer: MoELayer) -> TopAnyRouter:
+    router = layer.router
+    assert isinstance(router, TopAnyRouter), "threshold calibration needs a layer built with router='top_any'"
+    return router
+
+
 def selected_count(layer: MoELayer, x_TD: torch.Tensor, shared_threshold: float) -> int:
-    threshold_E = torch.full_like(layer.router.threshold, shared_threshold)
-    routing = top_any(x_TD, layer.router.weight, threshold_E, training=True, train_k0=layer.config.train_k0)
+    router = top_any_router(layer)
+    threshold_E = torch.full_like(router.threshold, shared_threshold)
+    routing = top_any(x_TD, router.weight, threshold_E, training=True, train_k0=layer.config.train_k0)
     return int(routing.mask.sum())  # NOTE: device-to-host sync
 
 
@@ -93,7 +101,7 @@ def calibrate_top_any(layer: MoELayer, x_TD: torch.Tensor, mean_k: float) -> flo
         else:
             high = middle
     best = min((low, high), key=lambda g: abs(selected_count(layer, x_TD, g) - target))
-    layer.router.threshold.fill_(best)
+    top_any_router(layer).threshold.fill_(best)
     return selected_count(layer, x_TD, best) / num_tokens
 
 
@@ -138,7 +146,9 @@ def build_case(spec: CaseSpec, num_rows: Optional[int] = None) -> Tuple[Callable
     if spec.case == "dense_limit":
         num_rows = num_rows if num_rows is not None else round(spec.k * spec.tokens)
         return dense_limit_step(spec, num_rows), {"rows": num_rows}
-    router, expert_compute = CASES[spec.case]
+    case = CASES[spec.case]
+    assert case is not None, "only dense_limit runs no MoELayer"
+    router, expert_compute = case
     layer = build_layer(spec, router, expert_compute)
     x_TD, grad_TD = make_tokens(spec)
     info = {"mean_k": calibrate_top_any(layer, x_TD, spec.k) if router == "top_any" else float(spec.k)}
@@ -175,6 +185,7 @@ def _output_and_input_grad(forward, x_TD: torch.Tensor, grad_TD: torch.Tensor):
     x_TD.grad = None
     out_TD, _ = forward()
     out_TD.backward(grad_TD)
+    assert x_TD.grad is not None, "x_TD requires grad, so backward filled it"
     return out_TD.detach(), x_TD.grad.clone()
 
 

@@ -142,7 +142,7 @@ class RecordingCoordinator:
     """Wraps the run's coordinator: per window end and layer, the statistics the add rule saw and what
     the plan did. Local statistics are the global ones on one process."""
 
-    def __init__(self, inner):
+    def __init__(self, inner) -> None:
         self.inner = inner
         self.windows: List[Dict] = []
 

@@ -10,7 +10,7 @@ Shape legend: T tokens, E experts, L MoE layers. Counts stay on the layer's devi
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -34,9 +34,9 @@ class RoutingProbe:
     end they end up describing the last epoch and the final evaluation."""
 
     def __init__(self, num_layers: int):
-        self.counts_LF = None
+        self.counts_LF: Optional[torch.Tensor] = None
         self.num_layers = num_layers
-        self.last_mode = [None] * num_layers
+        self.last_mode: List[Optional[str]] = [None] * num_layers
 
     @classmethod
     def attach(cls, model: torch.nn.Module) -> "RoutingProbe":

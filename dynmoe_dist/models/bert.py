@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional
 
 import torch
 import torch.nn as nn
@@ -144,7 +144,7 @@ class BertModel(nn.Module):
         return self
 
 
-def encode(embeddings: BertEmbeddings, layers: Sequence[BertLayer], tokens_BL: Tensor,
+def encode(embeddings: BertEmbeddings, layers: Iterable[nn.Module], tokens_BL: Tensor,
            valid_BL: Optional[Tensor], token_type_BL: Optional[Tensor]):
     if token_type_BL is None:
         token_type_BL = torch.zeros_like(tokens_BL)

@@ -59,7 +59,7 @@ class CausalLMTask(Task):
 def build_hf_causal_lm(run_config, task: CausalLMTask):
     """model.path -> AutoModelForCausalLM; upcycle model.moe_layers; freeze model.freeze; wrap for the trainer."""
     from ..models.hf import HFCausalLM, num_mlp_blocks, upcycle_hf
-    from ..models.hf.loading import load_model
+    from ..models.hf.loading import input_embeddings, load_model
     m = run_config.model
     if m.source != "hf":
         raise ValueError(f"task 'causal-lm' needs model.source = 'hf' (got {m.source!r}) and model.path")
@@ -68,7 +68,7 @@ def build_hf_causal_lm(run_config, task: CausalLMTask):
     if m.num_layers != num_blocks:
         raise ValueError(f"model.num_layers ({m.num_layers}) != the {num_blocks} blocks of {type(model).__name__} "
                          f"at model.path ({m.path!r}); set model.num_layers = {num_blocks}")
-    vocab = model.get_input_embeddings().num_embeddings
+    vocab = input_embeddings(model).num_embeddings
     if task.num_classes > vocab:
         raise ValueError(f"task.tokenizer ({task.tokenizer_path!r}) has {task.num_classes} tokens, more than the "
                          f"model's {vocab} embeddings: it is not this model's tokenizer")

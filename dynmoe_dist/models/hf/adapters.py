@@ -20,12 +20,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Mapping, Optional, TypeVar, cast
 
 import torch
 import torch.nn as nn
 
 from ...moe.experts import Expert, FeedForward, GatedFeedForward
+
+if TYPE_CHECKING:
+    from transformers.pytorch_utils import Conv1D
+
+_Block = TypeVar("_Block", bound=nn.Module)
 
 SUPPORTED = ("LLaMA / Qwen2 / Mistral (gate_proj, up_proj, down_proj)", "GPT-2 (Conv1D c_fc, c_proj)",
              "BERT (intermediate.dense + output.dense)", "ViT (mlp.fc1, mlp.fc2)")
@@ -63,18 +68,22 @@ def activation_name(act: nn.Module) -> str:
                      "tanh GELU / gelu_new, ReLU)")
 
 
-def _dense_ffn(w_in_FD, b_in_F, w_out_DF, b_out_D, activation: str) -> FeedForward:
+def _dense_ffn(w_in_FD: torch.Tensor, b_in_F: Optional[torch.Tensor], w_out_DF: torch.Tensor,
+               b_out_D: Optional[torch.Tensor], activation: str) -> FeedForward:
     block = FeedForward(w_in_FD.shape[1], w_in_FD.shape[0], bias=b_in_F is not None, activation=activation)
     return _filled(block, dict(w_in=w_in_FD, b_in=b_in_F, w_out=w_out_DF, b_out=b_out_D))
 
 
-def _filled(block: nn.Module, values) -> nn.Module:
+def _filled(block: _Block, values: Mapping[str, Optional[torch.Tensor]]) -> _Block:
     """``block`` with its parameters copied from ``values`` (name -> HF tensor), on their device and dtype."""
     like = values["w_in"]
+    assert like is not None, "every dense expert has an input projection w_in"
     block = block.to(device=like.device, dtype=like.dtype)
     with torch.no_grad():
         for name, p in block.named_parameters():
-            p.copy_(values[name].detach())
+            value = values[name]
+            assert value is not None, f"{name}: the block was built with this parameter because the HF MLP has it"
+            p.copy_(value.detach())
     return block
 
 
@@ -107,10 +116,12 @@ def gated_sites(model: nn.Module) -> List[MLPSite]:
 
 
 def _gated_dense(mlp: nn.Module) -> GatedFeedForward:
-    block = GatedFeedForward(mlp.up_proj.in_features, mlp.up_proj.out_features, bias=mlp.gate_proj.bias is not None,
-                             activation=activation_name(mlp.act_fn))
-    return _filled(block, dict(w_gate=mlp.gate_proj.weight, w_in=mlp.up_proj.weight, w_out=mlp.down_proj.weight,
-                               b_gate=mlp.gate_proj.bias, b_in=mlp.up_proj.bias, b_out=mlp.down_proj.bias))
+    # _is_gated checked these types
+    gate, up, down = (cast(nn.Linear, getattr(mlp, a)) for a in ("gate_proj", "up_proj", "down_proj"))
+    block = GatedFeedForward(up.in_features, up.out_features, bias=gate.bias is not None,
+                             activation=activation_name(cast(nn.Module, mlp.act_fn)))
+    return _filled(block, dict(w_gate=gate.weight, w_in=up.weight, w_out=down.weight,
+                               b_gate=gate.bias, b_in=up.bias, b_out=down.bias))
 
 
 # -- GPT-2: Conv1D stores weights (in, out) -----------------------------------------------------------
@@ -134,7 +145,8 @@ def gpt2_sites(model: nn.Module) -> List[MLPSite]:
 
 def _gpt2_dense(mlp: nn.Module, activation: str) -> FeedForward:
     # Conv1D computes x @ W + b with W (in, out); the expert layout is nn.Linear's (out, in).
-    return _dense_ffn(mlp.c_fc.weight.t(), mlp.c_fc.bias, mlp.c_proj.weight.t(), mlp.c_proj.bias, activation)
+    c_fc, c_proj = cast("Conv1D", mlp.c_fc), cast("Conv1D", mlp.c_proj)  # _is_gpt2_mlp checked these
+    return _dense_ffn(c_fc.weight.t(), c_fc.bias, c_proj.weight.t(), c_proj.bias, activation)
 
 
 def _linear_pair_dense(fc_in: nn.Linear, fc_out: nn.Linear, activation: str) -> FeedForward:

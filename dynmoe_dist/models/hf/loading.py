@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, cast
 
 import torch.nn as nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Set before transformers is first imported (it reads them at import): offline, and no hub lookups.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -102,13 +105,18 @@ def load_model(path: str, head: str = "causal-lm", *, num_labels: Optional[int] 
     return model.train()
 
 
+def input_embeddings(model: nn.Module) -> nn.Embedding:
+    """The token embedding table of a transformers model (``get_input_embeddings``)."""
+    return cast(nn.Embedding, cast("PreTrainedModel", model).get_input_embeddings())
+
+
 def load_tokenizer(path: str, field: str = "model.path"):
     """The tokenizer stored with the model (its files in the directory, or inside the GGUF file)."""
     directory, gguf_file = resolve(path, field)
     if gguf_file is None and not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"{field} ({path!r}) holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
     tf = _transformers()
-    kwargs = {"local_files_only": True}
+    kwargs: Dict[str, Any] = {"local_files_only": True}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     try:

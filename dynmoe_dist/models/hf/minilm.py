@@ -16,7 +16,7 @@ Plain models: no parallel code.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence, cast
 
 import torch.nn as nn
 from torch import Tensor
@@ -24,6 +24,9 @@ from torch import Tensor
 from ..transformer import ModelOutput, masked_mean
 from .loading import _transformers
 from .upcycle import take_aux_loss
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def minilm_dir() -> Path:
@@ -59,7 +62,7 @@ class HFSentenceClassifier(nn.Module):
         if num_classes < 2:
             raise ValueError(f"num_classes ({num_classes}) must be >= 2")
         self.bert = bert
-        self.head = nn.Linear(bert.config.hidden_size, num_classes)
+        self.head = nn.Linear(cast("PreTrainedModel", bert).config.hidden_size, num_classes)
 
     def embed(self, tokens_BL: Tensor, valid_BL: Optional[Tensor] = None,
               token_type_BL: Optional[Tensor] = None):

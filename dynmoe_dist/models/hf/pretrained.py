@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, cast
 
 import torch
 import torch.nn as nn
@@ -26,6 +26,9 @@ from ...moe.config import MoEConfig
 from ...moe.layer import find_moe_layers
 from .loading import _transformers
 from .upcycle import upcycle_hf
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 FORMAT_VERSION = 1
 # Fixed per layer by the export (the shape fields come from the MLP, the count from the checkpoint).
@@ -37,6 +40,7 @@ def install_moe_blocks(model: nn.Module, moe: MoEConfig, blocks: Sequence[int], 
     leaves the list of dense MLPs, so lower indices stay valid."""
     if len(blocks) != len(num_experts):
         raise ValueError(f"MoE blocks ({list(blocks)}) and expert counts ({list(num_experts)}) differ in length")
+    assert moe.max_experts is not None, "MoEConfig.__post_init__ fills max_experts"
     for block, count in sorted(zip(blocks, num_experts), reverse=True):
         layer_moe = dataclasses.replace(moe, num_experts=count, max_experts=max(count, moe.max_experts),
                                         min_experts=min(moe.min_experts, count))
@@ -51,8 +55,13 @@ def dynmoe_section(model: nn.Module, moe: MoEConfig, blocks: Sequence[int], **ex
     layers = [layer for _, layer in find_moe_layers(model)]
     return {"format": FORMAT_VERSION, "moe_blocks": sorted(blocks), "num_experts": [m.num_experts for m in layers],
             "moe": moe_options(moe),
-            "thresholds": [m.router.threshold.detach().cpu().tolist() if hasattr(m.router, "threshold") else None
-                           for m in layers], **extra}
+            "thresholds": [_thresholds(m.router) for m in layers], **extra}
+
+
+def _thresholds(router: nn.Module) -> Optional[List[float]]:
+    """The router's per-expert thresholds (top-any); None for a router without them."""
+    threshold = getattr(router, "threshold", None)
+    return threshold.detach().cpu().tolist() if isinstance(threshold, torch.Tensor) else None
 
 
 def unshared_state(model: nn.Module) -> Dict[str, torch.Tensor]:
@@ -70,10 +79,11 @@ def unshared_state(model: nn.Module) -> Dict[str, torch.Tensor]:
 def save_exported(model: nn.Module, section: Dict, out: Path, tokenizer=None) -> Path:
     from safetensors.torch import save_file
     out.mkdir(parents=True, exist_ok=True)
-    model.config.dynmoe = section
+    config = cast("PreTrainedModel", model).config  # an HF model
+    config.dynmoe = section
     # A config read from GGUF names no architecture; from_pretrained needs it to pick the class.
-    model.config.architectures = [type(model).__name__]
-    model.config.save_pretrained(str(out))
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(str(out))
     save_file(unshared_state(model), str(out / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
@@ -85,7 +95,7 @@ def load_weights(model: nn.Module, state: Dict[str, torch.Tensor], where: str) -
     result = model.load_state_dict(state, strict=False)
     if result.unexpected_keys:
         raise ValueError(f"{where}: keys the model does not have: {result.unexpected_keys[:5]}")
-    model.tie_weights()
+    cast("PreTrainedModel", model).tie_weights()  # an HF model
     params = dict(model.state_dict())
     loaded = {params[k].data_ptr() for k in state}
     untied = [k for k in result.missing_keys if params[k].data_ptr() not in loaded]
