@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow quickstart bench clean gpu-check scale
+.PHONY: setup lint test test-slow quickstart bench clean gpu-check scale
 
 setup: $(STAMP)
 
@@ -20,7 +20,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Tests run in a loopback-only network namespace where the machine allows it (root + unshare).
-test: setup
+# Lint, format check and types (settings in pyproject.toml); part of the test command, so CI runs them.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+
+test: setup lint
 	sh launcher/loopback.sh $(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-slow: setup

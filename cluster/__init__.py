@@ -23,5 +23,6 @@ def import_ray(module: str = "ray"):
     try:
         return importlib.import_module(module)
     except ImportError as err:
-        raise RayMissing(f"{module} is not installed (needed to run with Ray): {RAY_INSTALL_HINT} "
-                         f"[import error: {err}]") from err
+        raise RayMissing(
+            f"{module} is not installed (needed to run with Ray): {RAY_INSTALL_HINT} [import error: {err}]"
+        ) from err

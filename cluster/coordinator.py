@@ -25,11 +25,11 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 import torch
+from dynmoe_dist.cluster import import_ray
 
 from dynmoe_dist.coordination import PlanMismatch, PlanRequest, verify_plan
 from dynmoe_dist.planning.planner import Plan
 from dynmoe_dist.planning.stats import WindowStats
-from dynmoe_dist.cluster import import_ray
 
 NAMESPACE = "dynmoe"
 PLANNED_BY = "ray"
@@ -52,8 +52,10 @@ def merge_rank_stats(by_rank: Dict[int, List[np.ndarray]], world_size: int) -> L
 
 
 def stats_from_arrays(arrays: Sequence[np.ndarray], request: PlanRequest) -> List[WindowStats]:
-    return [WindowStats.from_flat(torch.from_numpy(flat), placement.num_experts, dim)
-            for flat, placement, dim in zip(arrays, request.placements, request.dims)]
+    return [
+        WindowStats.from_flat(torch.from_numpy(flat), placement.num_experts, dim)
+        for flat, placement, dim in zip(arrays, request.placements, request.dims)
+    ]
 
 
 class PlanServer:
@@ -69,8 +71,7 @@ class PlanServer:
         self.plans: Dict[int, Tuple[Plan, str]] = {}
         self.ready: Dict[int, asyncio.Event] = {}
 
-    async def submit(self, version: int, rank: int, request: PlanRequest,
-                     stats: List[np.ndarray]) -> Tuple[Plan, str]:
+    async def submit(self, version: int, rank: int, request: PlanRequest, stats: List[np.ndarray]) -> Tuple[Plan, str]:
         self._check_submission(version, rank, request, stats)
         if version not in self.plans:
             self.pending.setdefault(version, {})[rank] = [np.asarray(s, dtype=np.float64) for s in stats]
@@ -84,13 +85,17 @@ class PlanServer:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank ({rank}) outside the job's world of {self.world_size}")
         if request.version != version or len(stats) != len(request.placements):
-            raise ValueError(f"rank {rank}: submission for version {version} carries request version "
-                             f"{request.version} and {len(stats)} layers of statistics "
-                             f"(request has {len(request.placements)})")
+            raise ValueError(
+                f"rank {rank}: submission for version {version} carries request version "
+                f"{request.version} and {len(stats)} layers of statistics "
+                f"(request has {len(request.placements)})"
+            )
         known = self.requests.setdefault(version, request)
         if known != request:  # same version, other inputs: two runs share this actor, or ranks diverged
-            raise PlanMismatch(f"rank {rank}: request for plan version {version} differs from the one "
-                               f"already received for it (step {request.step} vs {known.step})")
+            raise PlanMismatch(
+                f"rank {rank}: request for plan version {version} differs from the one "
+                f"already received for it (step {request.step} vs {known.step})"
+            )
 
     def _plan(self, version: int) -> None:
         request = self.requests[version]
@@ -109,8 +114,11 @@ class PlanServer:
             os._exit(1)
 
     def info(self) -> Dict:
-        return {"world_size": self.world_size, "planned_versions": sorted(self.plans),
-                "pending_versions": {v: sorted(ranks) for v, ranks in self.pending.items()}}
+        return {
+            "world_size": self.world_size,
+            "planned_versions": sorted(self.plans),
+            "pending_versions": {v: sorted(ranks) for v, ranks in self.pending.items()},
+        }
 
 
 class PlanActor(PlanServer):
@@ -131,8 +139,9 @@ def start_plan_actor(run_name: str, world_size: int, max_restarts: int, fault_ex
     # num_cpus=0: the actor is idle between windows and must not take a training worker's CPU slot.
     # max_task_retries=0: a failed call comes back to the worker, which re-sends explicitly.
     remote = ray.remote(num_cpus=0, max_restarts=max_restarts, max_task_retries=0)(PlanActor)
-    return remote.options(name=actor_name(run_name), namespace=NAMESPACE, get_if_exists=True,
-                          max_concurrency=max(64, 4 * world_size)).remote(world_size, fault_exit_version)
+    return remote.options(
+        name=actor_name(run_name), namespace=NAMESPACE, get_if_exists=True, max_concurrency=max(64, 4 * world_size)
+    ).remote(world_size, fault_exit_version)
 
 
 class CoordinatorTimeout(RuntimeError):
@@ -162,23 +171,32 @@ class RayCoordinator:
             except self.ray.exceptions.GetTimeoutError as err:
                 raise CoordinatorTimeout(
                     f"rank {self.groups.rank}: no plan version {request.version} from the coordinator actor "
-                    f"within parallel.timeout_s ({self.timeout_s:g}s); a peer rank may be dead") from err
+                    f"within parallel.timeout_s ({self.timeout_s:g}s); a peer rank may be dead"
+                ) from err
             except self.ray.exceptions.RayActorError as err:
                 self._before_resend(request.version, err, deadline)
 
     def _before_resend(self, version: int, err: Exception, deadline: float) -> None:
         """The actor died or is restarting and may have lost what we sent: wait a little, send it again."""
         if time.monotonic() >= deadline:
-            raise CoordinatorTimeout(f"rank {self.groups.rank}: coordinator actor still unavailable after "
-                                     f"parallel.timeout_s ({self.timeout_s:g}s): {err}") from err
+            raise CoordinatorTimeout(
+                f"rank {self.groups.rank}: coordinator actor still unavailable after "
+                f"parallel.timeout_s ({self.timeout_s:g}s): {err}"
+            ) from err
         self.num_resends += 1
-        print(f"rank {self.groups.rank}: coordinator actor unavailable ({type(err).__name__}); "
-              f"re-sending statistics for plan version {version}", file=sys.stderr, flush=True)
+        print(
+            f"rank {self.groups.rank}: coordinator actor unavailable ({type(err).__name__}); "
+            f"re-sending statistics for plan version {version}",
+            file=sys.stderr,
+            flush=True,
+        )
         time.sleep(RETRY_PAUSE_S)
 
 
 def coordinator_factory(run_name: str, timeout_s: float):
     """What ``train.run.run(config, coordinator_factory=...)`` calls with the rank's ParallelGroups."""
+
     def make(groups) -> RayCoordinator:
         return RayCoordinator(groups, run_name, timeout_s)
+
     return make

@@ -42,18 +42,33 @@ def local_env(base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
 
 
 def head_args(node_ip: str, port: int, dashboard_port: int, num_cpus: int, temp_dir: str) -> List[str]:
-    return ["--head", f"--node-ip-address={node_ip}", f"--port={port}", f"--dashboard-host={node_ip}",
-            f"--dashboard-port={dashboard_port}", f"--num-cpus={num_cpus}", "--num-gpus=0",
-            "--disable-usage-stats", f"--temp-dir={temp_dir}"]
+    return [
+        "--head",
+        f"--node-ip-address={node_ip}",
+        f"--port={port}",
+        f"--dashboard-host={node_ip}",
+        f"--dashboard-port={dashboard_port}",
+        f"--num-cpus={num_cpus}",
+        "--num-gpus=0",
+        "--disable-usage-stats",
+        f"--temp-dir={temp_dir}",
+    ]
 
 
-def start_node(args: Sequence[str], session_file: Path, env: Dict[str, str], prefix: Sequence[str] = (),
-               timeout_s: float = 120.0) -> int:
+def start_node(
+    args: Sequence[str], session_file: Path, env: Dict[str, str], prefix: Sequence[str] = (), timeout_s: float = 120.0
+) -> int:
     """Run `ray start ARGS` (after PREFIX, e.g. `ip netns exec NS`) in a new session; returns its session id.
 
     The id is appended to session_file before waiting, so a caller can always stop what was started."""
-    proc = subprocess.Popen([*prefix, ray_executable(), "start", *args], env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [*prefix, ray_executable(), "start", *args],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     session_file.parent.mkdir(parents=True, exist_ok=True)
     with open(session_file, "a", encoding="utf-8") as file:
         file.write(f"{proc.pid}\n")
@@ -81,7 +96,7 @@ def process_table() -> Dict[int, tuple]:
             stat = (entry / "stat").read_text()
         except OSError:  # the process ended while we looked
             continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp session ...
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp session ...
         table[int(entry.name)] = (int(fields[1]), int(fields[3]))
     return table
 
@@ -162,8 +177,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     session_file = Path(args.temp_dir) / SESSION_FILE
     if args.action == "start":
-        start_node(head_args("127.0.0.1", args.port, args.dashboard_port, args.num_cpus, args.temp_dir),
-                   session_file, local_env())
+        start_node(
+            head_args("127.0.0.1", args.port, args.dashboard_port, args.num_cpus, args.temp_dir),
+            session_file,
+            local_env(),
+        )
         print(f"Ray head on 127.0.0.1:{args.port}, dashboard http://127.0.0.1:{args.dashboard_port}")
         return 0
     count = stop_sessions(read_sessions(session_file))

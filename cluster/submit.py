@@ -19,26 +19,38 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from dynmoe_dist.config import RunConfig, check_world, load_config
 from dynmoe_dist.cluster import RayMissing, import_ray
 from dynmoe_dist.cluster.coordinator import NAMESPACE, actor_name, start_plan_actor
 from dynmoe_dist.cluster.worker import train_worker, worker_starts
+
+from dynmoe_dist.config import RunConfig, check_world, load_config
 from dynmoe_dist.train.startup import prepare_run
 
 SUMMARY_FILE = "ray_summary.json"
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dynmoe_dist.cluster.submit",
-                                description="Train a DynMoE model on Ray Train workers (run it with `ray job submit`).")
+    p = argparse.ArgumentParser(
+        prog="python -m dynmoe_dist.cluster.submit",
+        description="Train a DynMoE model on Ray Train workers (run it with `ray job submit`).",
+    )
     p.add_argument("--config", help="TOML run file (e.g. launcher/configs/demo.toml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one option (repeatable); see dynmoe-train --help for all options")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one option (repeatable); see dynmoe-train --help for all options",
+    )
     p.add_argument("--num-workers", type=int, required=True, help="training workers (ranks)")
     p.add_argument("--use-gpu", action="store_true", help="one GPU per worker, nccl (default: CPU, gloo)")
     p.add_argument("--cpus-per-worker", type=float, default=1.0, help="CPUs Ray reserves per worker")
-    p.add_argument("--storage-path", default="~/dynmoe_runs",
-                   help="where run directories go; on several nodes it must be a shared filesystem")
+    p.add_argument(
+        "--storage-path",
+        default="~/dynmoe_runs",
+        help="where run directories go; on several nodes it must be a shared filesystem",
+    )
     p.add_argument("--name", help="run directory name under --storage-path (default: basename of output.out_dir)")
     p.add_argument("--resume", default="", help="'auto' to continue the run directory's newest checkpoint, or a path")
     p.add_argument("--max-failures", type=int, default=3, help="worker-group restarts Ray Train may do")
@@ -51,8 +63,10 @@ def resolve(args) -> RunConfig:
     if args.num_workers < 1:
         raise ValueError(f"--num-workers ({args.num_workers}) must be >= 1")
     if args.max_failures < 0 or args.coordinator_restarts < 0:
-        raise ValueError(f"--max-failures ({args.max_failures}) and --coordinator-restarts "
-                         f"({args.coordinator_restarts}) must be >= 0")
+        raise ValueError(
+            f"--max-failures ({args.max_failures}) and --coordinator-restarts "
+            f"({args.coordinator_restarts}) must be >= 0"
+        )
     config = prepare_run(load_config(args.config, args.overrides))
     check_world(config, args.num_workers)  # the workers' WORLD_SIZE is not known when the config loads
     name = args.name or Path(config.output.out_dir).name
@@ -69,8 +83,10 @@ def check_fresh(out_dir: Path) -> None:
     """Workers always resume 'auto' after a restart, so a fresh run must not find an older run's files."""
     found = [p.name for p in (out_dir / "metrics.jsonl", out_dir / "checkpoints") if p.exists()]
     if found:
-        raise ValueError(f"run directory {out_dir} already holds {', '.join(found)} of an earlier run: "
-                         "pass --resume auto to continue it, or another --name")
+        raise ValueError(
+            f"run directory {out_dir} already holds {', '.join(found)} of an earlier run: "
+            "pass --resume auto to continue it, or another --name"
+        )
 
 
 def trainer_for(config: RunConfig, args, run_name: str):
@@ -80,13 +96,20 @@ def trainer_for(config: RunConfig, args, run_name: str):
     return torch_train.TorchTrainer(
         train_worker,
         train_loop_config={"config": config, "run_name": run_name},
-        torch_config=torch_train.TorchConfig(backend="nccl" if args.use_gpu else "gloo",
-                                             timeout_s=int(config.parallel.timeout_s)),
-        scaling_config=train.ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu,
-                                           resources_per_worker={"CPU": args.cpus_per_worker,
-                                                                 **({"GPU": 1} if args.use_gpu else {})}),
-        run_config=train.RunConfig(name=out_dir.name, storage_path=str(out_dir.parent),
-                                   failure_config=train.FailureConfig(max_failures=args.max_failures)))
+        torch_config=torch_train.TorchConfig(
+            backend="nccl" if args.use_gpu else "gloo", timeout_s=int(config.parallel.timeout_s)
+        ),
+        scaling_config=train.ScalingConfig(
+            num_workers=args.num_workers,
+            use_gpu=args.use_gpu,
+            resources_per_worker={"CPU": args.cpus_per_worker, **({"GPU": 1} if args.use_gpu else {})},
+        ),
+        run_config=train.RunConfig(
+            name=out_dir.name,
+            storage_path=str(out_dir.parent),
+            failure_config=train.FailureConfig(max_failures=args.max_failures),
+        ),
+    )
 
 
 def wants_actor(config: RunConfig) -> bool:
@@ -99,8 +122,9 @@ def launch(config: RunConfig, args) -> Dict:
     run_name = f"{Path(config.output.out_dir).name}-{ray.get_runtime_context().get_job_id()}"
     actor = None
     if wants_actor(config):
-        actor = start_plan_actor(run_name, args.num_workers, args.coordinator_restarts,
-                                 config.fault.coordinator_crash_version)
+        actor = start_plan_actor(
+            run_name, args.num_workers, args.coordinator_restarts, config.fault.coordinator_crash_version
+        )
         ray.get(actor.info.remote())  # up before the workers look it up by name
     started = time.perf_counter()
     trainer_for(config, args, run_name).fit()
@@ -129,17 +153,28 @@ def summarize(out_dir: Path, wall_s: float, coordinator_restarts: Optional[int])
         raise RuntimeError(f"the job ended without a final record in {out_dir / 'metrics.jsonl'}")
     final = finals[-1]
     step_s = {r["step"]: r["step_s"] for r in records if r["kind"] == "step"}
-    events = [{k: r[k] for k in ("version", "step", "layer", "removed", "added", "num_experts", "planned_by")}
-              for r in records if r["kind"] == "event"]
+    events = [
+        {k: r[k] for k in ("version", "step", "layer", "removed", "added", "num_experts", "planned_by")}
+        for r in records
+        if r["kind"] == "event"
+    ]
     starts = worker_starts(str(out_dir))
-    return {"out_dir": str(out_dir), "steps": final["step"], "wall_s": wall_s,
-            "job_steps_per_s": final["step"] / wall_s, "train_steps_per_s": len(step_s) / sum(step_s.values()),
-            "test_accuracy": final.get("test_accuracy"), "test_loss": final.get("test_loss"),
-            "num_experts": final.get("num_experts"), "num_events": len(events),
-            "planned_by": sorted({e["planned_by"] for e in events}), "events": events,
-            "coordinator_restarts": coordinator_restarts,
-            "worker_group_starts": max((len(s) for s in starts.values()), default=0),
-            "worker_nodes": sorted({s[-1]["node_ip"] for s in starts.values()})}
+    return {
+        "out_dir": str(out_dir),
+        "steps": final["step"],
+        "wall_s": wall_s,
+        "job_steps_per_s": final["step"] / wall_s,
+        "train_steps_per_s": len(step_s) / sum(step_s.values()),
+        "test_accuracy": final.get("test_accuracy"),
+        "test_loss": final.get("test_loss"),
+        "num_experts": final.get("num_experts"),
+        "num_events": len(events),
+        "planned_by": sorted({e["planned_by"] for e in events}),
+        "events": events,
+        "coordinator_restarts": coordinator_restarts,
+        "worker_group_starts": max((len(s) for s in starts.values()), default=0),
+        "worker_nodes": sorted({s[-1]["node_ip"] for s in starts.values()}),
+    }
 
 
 def main(argv: Optional[List[str]] = None) -> int:

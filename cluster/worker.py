@@ -27,8 +27,14 @@ def record_worker_start(out_dir: str, rank: int, world_size: int, node_ip: str) 
     """One line per start of each rank (rank{r}.jsonl): where it ran, and how often the group was restarted."""
     folder = Path(out_dir) / WORKERS_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    line = {"rank": rank, "world_size": world_size, "node_ip": node_ip, "hostname": socket.gethostname(),
-            "pid": os.getpid(), "started": time.time()}
+    line = {
+        "rank": rank,
+        "world_size": world_size,
+        "node_ip": node_ip,
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.time(),
+    }
     with open(folder / f"rank{rank}.jsonl", "a", encoding="utf-8") as file:
         file.write(json.dumps(line) + "\n")
 
@@ -49,8 +55,9 @@ def train_worker(loop_config: Dict) -> None:
 
     config = loop_config["config"]
     context = ray.train.get_context()
-    record_worker_start(config.output.out_dir, context.get_world_rank(), context.get_world_size(),
-                        ray.util.get_node_ip_address())
+    record_worker_start(
+        config.output.out_dir, context.get_world_rank(), context.get_world_size(), ray.util.get_node_ip_address()
+    )
     use_ray_gpu(ray)
     # A restarted worker group continues from the newest complete checkpoint of this run (none at first).
     config.output.resume = config.output.resume or "auto"

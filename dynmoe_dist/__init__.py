@@ -20,14 +20,18 @@ class _SiblingPackages(importlib.abc.MetaPathFinder):
         folder = self.locations.get(fullname)
         if folder is None:
             return None
-        return importlib.util.spec_from_file_location(fullname, folder / "__init__.py",
-                                                      submodule_search_locations=[str(folder)])
+        return importlib.util.spec_from_file_location(
+            fullname, folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
 
 
 def _map_sibling_packages() -> None:
     here = Path(__file__).resolve().parent
-    locations = {f"{__name__}.{name}": here.parent / name for name in ("kernels", "cluster")
-                 if not (here / name).is_dir() and (here.parent / name / "__init__.py").is_file()}
+    locations = {
+        f"{__name__}.{name}": here.parent / name
+        for name in ("kernels", "cluster")
+        if not (here / name).is_dir() and (here.parent / name / "__init__.py").is_file()
+    }
     if locations and not any(isinstance(f, _SiblingPackages) for f in sys.meta_path):
         sys.meta_path.insert(0, _SiblingPackages(locations))
 

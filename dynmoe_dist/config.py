@@ -84,15 +84,20 @@ class ModelConfig:
     def __post_init__(self):
         _require(self.source in MODEL_SOURCES, f"model.source ({self.source!r}) must be one of {MODEL_SOURCES}")
         _require(self.bert_impl in BERT_IMPLS, f"model.bert_impl ({self.bert_impl!r}) must be one of {BERT_IMPLS}")
-        _require(self.source != "hf" or bool(self.path),
-                 "model.path ('') must name a model directory or .gguf file when model.source is 'hf'")
+        _require(
+            self.source != "hf" or bool(self.path),
+            "model.path ('') must name a model directory or .gguf file when model.source is 'hf'",
+        )
         _require(self.num_layers >= 1, f"model.num_layers ({self.num_layers}) must be >= 1")
         _require(0.0 <= self.dropout < 1.0, f"model.dropout ({self.dropout}) must be in [0, 1)")
         for i in self.moe_layers:
-            _require(0 <= i < self.num_layers,
-                     f"model.moe_layers entry ({i}) outside [0, num_layers ({self.num_layers}))")
-        _require(len(set(self.moe_layers)) == len(self.moe_layers),
-                 f"model.moe_layers ({self.moe_layers}) lists a layer twice")
+            _require(
+                0 <= i < self.num_layers, f"model.moe_layers entry ({i}) outside [0, num_layers ({self.num_layers}))"
+            )
+        _require(
+            len(set(self.moe_layers)) == len(self.moe_layers),
+            f"model.moe_layers ({self.moe_layers}) lists a layer twice",
+        )
         _require(self.patch_size >= 1, f"model.patch_size ({self.patch_size}) must be >= 1")
         for name in ("dim", "num_heads", "ffn_dim"):
             _require(getattr(self, name) >= 1, f"model.{name} ({getattr(self, name)}) must be >= 1")
@@ -139,9 +144,11 @@ class TrainConfig:
         _require(self.epochs > 0, f"train.epochs ({self.epochs}) must be > 0")
         _require(self.global_batch_size >= 1, f"train.global_batch_size ({self.global_batch_size}) must be >= 1")
         _require(self.grad_accum >= 1, f"train.grad_accum ({self.grad_accum}) must be >= 1")
-        _require(self.global_batch_size % self.grad_accum == 0,
-                 f"train.global_batch_size ({self.global_batch_size}) is not divisible by "
-                 f"train.grad_accum ({self.grad_accum})")
+        _require(
+            self.global_batch_size % self.grad_accum == 0,
+            f"train.global_batch_size ({self.global_batch_size}) is not divisible by "
+            f"train.grad_accum ({self.grad_accum})",
+        )
         _require(self.lr > 0, f"train.lr ({self.lr}) must be > 0")
         _require(self.precision in PRECISIONS, f"train.precision ({self.precision!r}) must be one of {PRECISIONS}")
         _require(self.log_every >= 1, f"train.log_every ({self.log_every}) must be >= 1")
@@ -150,9 +157,11 @@ class TrainConfig:
             _require(getattr(self, name) >= 0, f"train.{name} ({getattr(self, name)}) must be >= 0")
         _require(0.0 <= self.min_lr_ratio <= 1.0, f"train.min_lr_ratio ({self.min_lr_ratio}) must be in [0, 1]")
         _require(all(0.0 <= b < 1.0 for b in self.betas), f"train.betas ({self.betas}) must be in [0, 1)")
-        _require(self.activation_checkpointing in ACTIVATION_CHECKPOINTING,
-                 f"train.activation_checkpointing ({self.activation_checkpointing!r}) must be one of "
-                 f"{ACTIVATION_CHECKPOINTING}")
+        _require(
+            self.activation_checkpointing in ACTIVATION_CHECKPOINTING,
+            f"train.activation_checkpointing ({self.activation_checkpointing!r}) must be one of "
+            f"{ACTIVATION_CHECKPOINTING}",
+        )
 
 
 @dataclass
@@ -177,10 +186,14 @@ class ParallelConfig:
 
     def __post_init__(self):
         _require(self.ep_size >= 0, f"parallel.ep_size ({self.ep_size}) must be >= 0")
-        _require(self.backend in ("auto", "nccl", "gloo"), f"parallel.backend ({self.backend!r}) must be auto, nccl or gloo")
+        _require(
+            self.backend in ("auto", "nccl", "gloo"), f"parallel.backend ({self.backend!r}) must be auto, nccl or gloo"
+        )
         _require(self.timeout_s > 0, f"parallel.timeout_s ({self.timeout_s}) must be > 0")
-        _require(self.coordinator in ("auto", "collective", "ray"),
-                 f"parallel.coordinator ({self.coordinator!r}) must be auto, collective or ray")
+        _require(
+            self.coordinator in ("auto", "collective", "ray"),
+            f"parallel.coordinator ({self.coordinator!r}) must be auto, collective or ray",
+        )
         _require(self.device in ("auto", "cpu", "cuda"), f"parallel.device ({self.device!r}) must be auto, cpu or cuda")
         for name in ("dense_sharding", "expert_sharding"):
             value = getattr(self, name)
@@ -212,23 +225,34 @@ class AdaptiveConfig:
     (0 = any such token triggers an add, the reference)."""
 
     def __post_init__(self):
-        _require(0.0 <= self.window_start < self.window_end <= 1.0,
-                 f"adaptive window fractions ({self.window_start}, {self.window_end}) must satisfy "
-                 "0 <= window_start < window_end <= 1")
+        _require(
+            0.0 <= self.window_start < self.window_end <= 1.0,
+            f"adaptive window fractions ({self.window_start}, {self.window_end}) must satisfy "
+            "0 <= window_start < window_end <= 1",
+        )
         _require(self.period_steps >= 0, f"adaptive.period_steps ({self.period_steps}) must be >= 0")
         _require(self.max_adds_per_event >= 0, f"adaptive.max_adds_per_event ({self.max_adds_per_event}) must be >= 0")
-        _require(self.expert_init in EXPERT_INITS,
-                 f"adaptive.expert_init ({self.expert_init!r}) must be one of {EXPERT_INITS}")
+        _require(
+            self.expert_init in EXPERT_INITS,
+            f"adaptive.expert_init ({self.expert_init!r}) must be one of {EXPERT_INITS}",
+        )
         _require(self.replicate_factor > 1.0, f"adaptive.replicate_factor ({self.replicate_factor}) must be > 1")
         _require(self.max_replicas >= 0, f"adaptive.max_replicas ({self.max_replicas}) must be >= 0")
-        _require(0.0 <= self.min_unrouted_share < 1.0,
-                 f"adaptive.min_unrouted_share ({self.min_unrouted_share}) must be in [0, 1)")
+        _require(
+            0.0 <= self.min_unrouted_share < 1.0,
+            f"adaptive.min_unrouted_share ({self.min_unrouted_share}) must be in [0, 1)",
+        )
 
 
 # Options only adding and removing experts reads. Only top-any layers add and remove experts: under
 # top_k / top_p routers the adaptive events re-place and replicate experts, nothing else.
-ADD_REMOVE_OPTIONS = ("adaptive.max_adds_per_event", "adaptive.expert_init", "adaptive.min_unrouted_share",
-                      "moe.max_experts", "moe.min_experts")
+ADD_REMOVE_OPTIONS = (
+    "adaptive.max_adds_per_event",
+    "adaptive.expert_init",
+    "adaptive.min_unrouted_share",
+    "moe.max_experts",
+    "moe.min_experts",
+)
 
 
 @dataclass
@@ -268,13 +292,21 @@ class FaultConfig:
     plan version arrive, losing them; Ray restarts it and the workers re-send (0 = off)."""
 
     def __post_init__(self):
-        _require(self.coordinator_crash_version >= 0,
-                 f"fault.coordinator_crash_version ({self.coordinator_crash_version}) must be >= 0")
+        _require(
+            self.coordinator_crash_version >= 0,
+            f"fault.coordinator_crash_version ({self.coordinator_crash_version}) must be >= 0",
+        )
 
 
 SECTIONS = {
-    "task": TaskConfig, "model": ModelConfig, "moe": MoEConfig, "train": TrainConfig,
-    "parallel": ParallelConfig, "adaptive": AdaptiveConfig, "output": OutputConfig, "fault": FaultConfig,
+    "task": TaskConfig,
+    "model": ModelConfig,
+    "moe": MoEConfig,
+    "train": TrainConfig,
+    "parallel": ParallelConfig,
+    "adaptive": AdaptiveConfig,
+    "output": OutputConfig,
+    "fault": FaultConfig,
 }
 
 
@@ -304,8 +336,11 @@ class RunConfig:
         lines = []
         for name, values in self.to_dict().items():
             lines.append(f"[{name}]")
-            lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()
-                      if value is not None and not (name == "moe" and key in DERIVED_MOE_KEYS)]
+            lines += [
+                f"{key} = {_toml_value(value)}"
+                for key, value in values.items()
+                if value is not None and not (name == "moe" and key in DERIVED_MOE_KEYS)
+            ]
             lines.append("")
         return "\n".join(lines)
 
@@ -326,8 +361,13 @@ def field_docs(cls) -> Dict[str, str]:
     docs: Dict[str, str] = {}
     body = node0.body
     for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
             docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 
@@ -362,13 +402,14 @@ def with_preset(data: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def from_dict(data: Dict[str, Dict[str, Any]]) -> RunConfig:
-    explicit = frozenset(f"{name}.{key}" for name, values in data.items() if isinstance(values, dict)
-                         for key in values)
+    explicit = frozenset(f"{name}.{key}" for name, values in data.items() if isinstance(values, dict) for key in values)
     data = with_preset(data)
     for key in DERIVED_MOE_KEYS:
         if key in data.get("moe", {}):
-            raise ValueError(f"moe.{key} is taken from the model (model.{key} for built models, the pre-trained "
-                             f"block for minilm-sentiment); set model.{key} instead")
+            raise ValueError(
+                f"moe.{key} is taken from the model (model.{key} for built models, the pre-trained "
+                f"block for minilm-sentiment); set model.{key} instead"
+            )
     sections = {}
     for name, values in data.items():
         if name not in SECTIONS:
@@ -393,6 +434,7 @@ def make_section(name: str, values: Dict[str, Any]):
 
 # -- value types, checked from the dataclass annotations ---------------------------------------------
 
+
 @lru_cache(maxsize=None)
 def field_types(cls) -> Dict[str, Any]:
     """Field name -> resolved annotation (the modules use postponed annotations, so resolve them here)."""
@@ -412,30 +454,40 @@ def checked_values(section: str, values: Dict[str, Any]) -> Dict[str, Any]:
 
 # -- cross-section checks -------------------------------------------------------------------------
 
+
 def check_world(config: RunConfig, world_size: Optional[int]) -> None:
     """ep_size and the batch against the world (when the launcher told us its size), ep_size against the
     expert count. The trainer checks the same against the live group; this fails before it starts."""
     ep_size, num_experts, train = config.parallel.ep_size, config.moe.num_experts, config.train
     if world_size is not None:
-        _require(ep_size == 0 or world_size % ep_size == 0,
-                 f"parallel.ep_size ({ep_size}) does not divide the world size ({world_size})")
+        _require(
+            ep_size == 0 or world_size % ep_size == 0,
+            f"parallel.ep_size ({ep_size}) does not divide the world size ({world_size})",
+        )
         ep_size = ep_size or world_size
         micro = train.global_batch_size // train.grad_accum
-        _require(micro >= world_size, f"micro-batch size ({micro} = train.global_batch_size "
-                 f"{train.global_batch_size} / train.grad_accum {train.grad_accum}) < world size ({world_size}): "
-                 "some ranks would get no samples")
-    _require(num_experts >= ep_size,
-             f"moe.num_experts ({num_experts}) < ep_size ({ep_size}): every rank of an expert-parallel group "
-             "(parallel.ep_size) needs at least one expert")
+        _require(
+            micro >= world_size,
+            f"micro-batch size ({micro} = train.global_batch_size "
+            f"{train.global_batch_size} / train.grad_accum {train.grad_accum}) < world size ({world_size}): "
+            "some ranks would get no samples",
+        )
+    _require(
+        num_experts >= ep_size,
+        f"moe.num_experts ({num_experts}) < ep_size ({ep_size}): every rank of an expert-parallel group "
+        "(parallel.ep_size) needs at least one expert",
+    )
 
 
 def check_resume(output: OutputConfig) -> None:
     """A resume path names a checkpoint directory (train/checkpoint.py checks its content when it loads)."""
     if output.resume in ("", "auto"):
         return
-    _require((Path(output.resume) / "meta.pt").is_file(),
-             f"output.resume ({output.resume!r}) is not a checkpoint directory: it has no meta.pt "
-             "(use 'auto' for the newest checkpoint in output.out_dir)")
+    _require(
+        (Path(output.resume) / "meta.pt").is_file(),
+        f"output.resume ({output.resume!r}) is not a checkpoint directory: it has no meta.pt "
+        "(use 'auto' for the newest checkpoint in output.out_dir)",
+    )
 
 
 def world_size_from_env() -> Optional[int]:
@@ -450,6 +502,7 @@ def world_size_from_env() -> Optional[int]:
 
 
 # -- loading --------------------------------------------------------------------------------------
+
 
 def parse_override(text: str) -> Tuple[str, str, Any]:
     """'section.key=value' -> (section, key, value); the value is read as TOML, else as a string."""
@@ -492,6 +545,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     check_resume(config.output)
     # Imported here: the tasks import torch and the models, which config.py must not need to load.
     from .tasks import validate_run_config
+
     validate_run_config(config)
     return config
 

@@ -12,10 +12,9 @@ before anything is planned, instead of applying a plan made for someone else's s
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import List, Optional, Protocol, Sequence, Tuple
-
-import hashlib
 
 import torch
 
@@ -42,8 +41,16 @@ class PlanRequest:
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
 
     def make_plan(self, stats: Sequence[WindowStats], planned_by: str) -> Plan:
-        return plan(stats, self.placements, self.configs, version=self.version, step=self.step,
-                    has_discarded=self.has_discarded, load_history=self.load_history, planned_by=planned_by)
+        return plan(
+            stats,
+            self.placements,
+            self.configs,
+            version=self.version,
+            step=self.step,
+            has_discarded=self.has_discarded,
+            load_history=self.load_history,
+            planned_by=planned_by,
+        )
 
 
 class Coordinator(Protocol):
@@ -73,7 +80,7 @@ def unflatten_stats(flat: torch.Tensor, request: PlanRequest, like: Sequence[Win
     out, offset = [], 0
     for s, placement, dim in zip(like, request.placements, request.dims):
         size = s.to_flat().numel()
-        out.append(WindowStats.from_flat(flat[offset:offset + size], placement.num_experts, dim))
+        out.append(WindowStats.from_flat(flat[offset : offset + size], placement.num_experts, dim))
         offset += size
     return out
 
@@ -95,8 +102,10 @@ class CollectiveCoordinator:
         digests = all_gather_object(request.digest(), self.groups, "plan request digests")
         if len(set(digests)) > 1:
             by_rank = ", ".join(f"rank {r}: {d}" for r, d in enumerate(digests))
-            raise PlanMismatch(f"rank {self.groups.rank}: the ranks asked for different plans for version "
-                               f"{request.version} (request digests {by_rank}): their expert state diverged")
+            raise PlanMismatch(
+                f"rank {self.groups.rank}: the ranks asked for different plans for version "
+                f"{request.version} (request digests {by_rank}): their expert state diverged"
+            )
 
     def reduce_stats(self, local_stats: List[WindowStats]) -> torch.Tensor:
         return sum_over_ranks(flatten_stats(local_stats), self.groups, "window statistics all_reduce")

@@ -37,8 +37,10 @@ def read_checkpoint(checkpoint: Path):
     saved["moe"] = {k: v for k, v in saved.get("moe", {}).items() if k not in DERIVED_MOE_KEYS}
     run = from_dict(saved)
     if run.model.source != "hf":
-        raise ValueError(f"CHECKPOINT ({str(checkpoint)!r}) was trained with model.source ({run.model.source!r}); "
-                         "only 'hf' runs export to a transformers directory")
+        raise ValueError(
+            f"CHECKPOINT ({str(checkpoint)!r}) was trained with model.source ({run.model.source!r}); "
+            "only 'hf' runs export to a transformers directory"
+        )
     experts: Dict[str, Dict] = {}
     for path in sorted(checkpoint.glob("experts_ep*.pt")):
         experts.update(load_file(path))
@@ -49,7 +51,7 @@ def fill_dense(model: nn.Module, params: Dict[str, torch.Tensor], where: Path) -
     named = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in params.items():
-            key = name[len(WRAPPER_PREFIX):] if name.startswith(WRAPPER_PREFIX) else name
+            key = name[len(WRAPPER_PREFIX) :] if name.startswith(WRAPPER_PREFIX) else name
             if key not in named:
                 raise ValueError(f"{where}: dense parameter {name!r} has no place in {type(model).__name__}")
             if named[key].shape != value.shape:

@@ -11,9 +11,8 @@ from __future__ import annotations
 from typing import Dict, List, Tuple
 
 import torch
-from torch import Tensor
-
 from dynmoe_dist.kernels import permute_reference as reference
+from torch import Tensor
 
 # (name, T, D, token of each row): expert-major order, as routed_pairs produces it.
 CASES: Tuple[Tuple[str, int, int, Tuple[int, ...]], ...] = (
@@ -42,8 +41,9 @@ def _grads(fn, inputs: List[Tensor], grad_out: Tensor):
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     out = fn(*leaves)
     out.backward(grad_out.to(out.dtype))
-    return [out.detach().double()] + [leaf.grad.double() if leaf.grad is not None else torch.zeros_like(leaf)
-                                      for leaf in leaves]
+    return [out.detach().double()] + [
+        leaf.grad.double() if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves
+    ]
 
 
 def _max_err(mine: List[Tensor], theirs: List[Tensor]) -> float:
@@ -58,18 +58,30 @@ def check_case(kernels, name: str, num_tokens: int, dim: int, tokens, device, dt
     lowered = [t.to(dtype) for t in (x_TD, rows_RD)]
     gather_mine = _grads(lambda x: kernels.gather_rows(x, token_R), [lowered[0]], grad_RD)
     gather_ref = _grads(lambda x: reference.gather_rows(x, token_R), [lowered[0].double()], grad_RD)
-    combine_mine = _grads(lambda r, w: kernels.combine_rows(r, token_R, w, num_tokens),
-                          [lowered[1], weight_R.float() if dtype != torch.float64 else weight_R], grad_TD)
-    combine_ref = _grads(lambda r, w: reference.combine_rows(r, token_R, w, num_tokens),
-                         [lowered[1].double(), weight_R], grad_TD)
+    combine_mine = _grads(
+        lambda r, w: kernels.combine_rows(r, token_R, w, num_tokens),
+        [lowered[1], weight_R.float() if dtype != torch.float64 else weight_R],
+        grad_TD,
+    )
+    combine_ref = _grads(
+        lambda r, w: reference.combine_rows(r, token_R, w, num_tokens), [lowered[1].double(), weight_R], grad_TD
+    )
     out = []
     for kernel, mine, ref in (("gather_rows", gather_mine, gather_ref), ("combine_rows", combine_mine, combine_ref)):
         err = _max_err(mine, ref)
         # Low-precision errors grow with the magnitude of the values: bound relative to the scale.
         scale = max([float(t.abs().max()) for t in ref if t.numel()], default=1.0)  # NOTE: device-to-host sync
         bound = tol * max(1.0, scale)
-        out.append({"kernel": kernel, "case": name, "dtype": str(dtype).replace("torch.", ""),
-                    "max_abs_err": err, "bound": bound, "passed": err <= bound})
+        out.append(
+            {
+                "kernel": kernel,
+                "case": name,
+                "dtype": str(dtype).replace("torch.", ""),
+                "max_abs_err": err,
+                "bound": bound,
+                "passed": err <= bound,
+            }
+        )
     return out
 
 

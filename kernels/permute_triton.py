@@ -36,8 +36,18 @@ def _acc(*tensors: Tensor):
 
 
 @triton.jit
-def _gather_kernel(x_ptr, token_ptr, weight_ptr, out_ptr, D, stride_x, stride_out,
-                   HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr, BLOCK_D: tl.constexpr):
+def _gather_kernel(
+    x_ptr,
+    token_ptr,
+    weight_ptr,
+    out_ptr,
+    D,
+    stride_x,
+    stride_out,
+    HAS_WEIGHT: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     r = tl.program_id(0)
     src = tl.load(token_ptr + r).to(tl.int64)
     if HAS_WEIGHT:
@@ -52,8 +62,19 @@ def _gather_kernel(x_ptr, token_ptr, weight_ptr, out_ptr, D, stride_x, stride_ou
 
 
 @triton.jit
-def _segment_sum_kernel(rows_ptr, order_ptr, starts_ptr, weight_ptr, out_ptr, D, stride_rows, stride_out,
-                        HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr, BLOCK_D: tl.constexpr):
+def _segment_sum_kernel(
+    rows_ptr,
+    order_ptr,
+    starts_ptr,
+    weight_ptr,
+    out_ptr,
+    D,
+    stride_rows,
+    stride_out,
+    HAS_WEIGHT: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     keep = offs < D
@@ -70,10 +91,22 @@ def _segment_sum_kernel(rows_ptr, order_ptr, starts_ptr, weight_ptr, out_ptr, D,
 
 
 @triton.jit
-def _row_grad_kernel(grad_ptr, rows_ptr, token_ptr, weight_ptr, grad_rows_ptr, grad_weight_ptr, D,
-                     stride_grad, stride_rows, stride_grad_rows,
-                     NEED_ROWS: tl.constexpr, NEED_WEIGHT: tl.constexpr, ACC: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
+def _row_grad_kernel(
+    grad_ptr,
+    rows_ptr,
+    token_ptr,
+    weight_ptr,
+    grad_rows_ptr,
+    grad_weight_ptr,
+    D,
+    stride_grad,
+    stride_rows,
+    stride_grad_rows,
+    NEED_ROWS: tl.constexpr,
+    NEED_WEIGHT: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     r = tl.program_id(0)
     t = tl.load(token_ptr + r).to(tl.int64)
     w = tl.load(weight_ptr + r).to(ACC)
@@ -103,8 +136,18 @@ def gather(x_TD: Tensor, token_R: Tensor, weight_R: Optional[Tensor] = None) -> 
     if num_rows == 0 or dim == 0:
         return out_RD
     weight = weight_R if weight_R is not None else token_R  # an unused placeholder pointer
-    _gather_kernel[(num_rows,)](x_TD, token_R, weight, out_RD, dim, x_TD.stride(0), out_RD.stride(0),
-                                HAS_WEIGHT=weight_R is not None, ACC=_acc(x_TD, weight), BLOCK_D=_block_d(dim))
+    _gather_kernel[(num_rows,)](
+        x_TD,
+        token_R,
+        weight,
+        out_RD,
+        dim,
+        x_TD.stride(0),
+        out_RD.stride(0),
+        HAS_WEIGHT=weight_R is not None,
+        ACC=_acc(x_TD, weight),
+        BLOCK_D=_block_d(dim),
+    )
     return out_RD
 
 
@@ -129,14 +172,23 @@ def segment_sum(rows_RD: Tensor, token_R: Tensor, num_tokens: int, weight_R: Opt
     weight = weight_R if weight_R is not None else token_R
     block = _block_d(dim)
     grid = (num_tokens, triton.cdiv(dim, block))
-    _segment_sum_kernel[grid](rows_RD, order_R, starts_T1, weight, out_TD, dim, rows_RD.stride(0),
-                              out_TD.stride(0), HAS_WEIGHT=weight_R is not None, ACC=_acc(rows_RD, weight),
-                              BLOCK_D=block)
+    _segment_sum_kernel[grid](
+        rows_RD,
+        order_R,
+        starts_T1,
+        weight,
+        out_TD,
+        dim,
+        rows_RD.stride(0),
+        out_TD.stride(0),
+        HAS_WEIGHT=weight_R is not None,
+        ACC=_acc(rows_RD, weight),
+        BLOCK_D=block,
+    )
     return out_TD
 
 
-def row_grads(grad_TD: Tensor, rows_RD: Tensor, token_R: Tensor, weight_R: Tensor,
-              need_rows: bool, need_weight: bool):
+def row_grads(grad_TD: Tensor, rows_RD: Tensor, token_R: Tensor, weight_R: Tensor, need_rows: bool, need_weight: bool):
     """(grad_rows_RD or None, grad_weight_R or None) of the weighted combine, in one pass."""
     grad_TD, rows_RD, token_R, weight_R = (t.contiguous() for t in (grad_TD, rows_RD, token_R, weight_R))
     num_rows, dim = rows_RD.shape
@@ -145,10 +197,21 @@ def row_grads(grad_TD: Tensor, rows_RD: Tensor, token_R: Tensor, weight_R: Tenso
     if num_rows == 0 or dim == 0 or not (need_rows or need_weight):
         return grad_rows, grad_weight
     _row_grad_kernel[(num_rows,)](
-        grad_TD, rows_RD, token_R, weight_R, grad_rows if need_rows else rows_RD,
-        grad_weight if need_weight else weight_R, dim, grad_TD.stride(0), rows_RD.stride(0),
-        grad_rows.stride(0) if grad_rows is not None else 0, NEED_ROWS=need_rows, NEED_WEIGHT=need_weight,
-        ACC=_acc(grad_TD, rows_RD, weight_R), BLOCK_D=_block_d(dim))
+        grad_TD,
+        rows_RD,
+        token_R,
+        weight_R,
+        grad_rows if need_rows else rows_RD,
+        grad_weight if need_weight else weight_R,
+        dim,
+        grad_TD.stride(0),
+        rows_RD.stride(0),
+        grad_rows.stride(0) if grad_rows is not None else 0,
+        NEED_ROWS=need_rows,
+        NEED_WEIGHT=need_weight,
+        ACC=_acc(grad_TD, rows_RD, weight_R),
+        BLOCK_D=_block_d(dim),
+    )
     return grad_rows, grad_weight
 
 
@@ -177,8 +240,9 @@ class _Combine(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_TD: Tensor):
         rows_RD, token_R, weight_R = ctx.saved_tensors
-        grad_rows, grad_weight = row_grads(grad_TD, rows_RD, token_R, weight_R,
-                                           ctx.needs_input_grad[0], ctx.needs_input_grad[2])
+        grad_rows, grad_weight = row_grads(
+            grad_TD, rows_RD, token_R, weight_R, ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        )
         return grad_rows, None, grad_weight, None
 
 

@@ -17,13 +17,16 @@ NUM_LAYERS = 3
 
 def corpus_lines(n=60, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (int(length),), generator=g))
-            for length in torch.randint(3, 12, (n,), generator=g)]
+    return [
+        " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (int(length),), generator=g))
+        for length in torch.randint(3, 12, (n,), generator=g)
+    ]
 
 
 def save_tokenizer(directory):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
     vocab = {w: i for i, w in enumerate(["<unk>", "<eos>"] + WORDS)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -33,9 +36,17 @@ def save_tokenizer(directory):
 
 def save_llama(directory, vocab_size):
     import transformers as tf
+
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=NUM_LAYERS,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    cfg = tf.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
     tf.LlamaForCausalLM(cfg).save_pretrained(directory)
 
 
@@ -58,18 +69,37 @@ ADAPTIVE = ["moe.num_experts=5", "moe.min_experts=3", "moe.threshold_init=0.3", 
 def hf_settings(model_dir, text_file, steps=STEPS):
     """The tiny adaptive run as --set overrides (distributed, torchrun and Ray tests)."""
     return [
-        "task.name='causal-lm'", f"task.path='{text_file}'", f"task.tokenizer='{model_dir}'", "task.max_len=8",
-        "model.source='hf'", f"model.path='{model_dir}'", f"model.num_layers={NUM_LAYERS}", "model.moe_layers=[1, 2]",
-        "model.freeze=['model.embed_tokens', 'model.layers.0']", *ADAPTIVE, "train.precision='float64'",
-        f"train.max_steps={steps}", "train.global_batch_size=6", "train.lr=0.01", "train.warmup_steps=1",
-        "output.progress=false", "output.tensorboard=false", "output.report=false"]
+        "task.name='causal-lm'",
+        f"task.path='{text_file}'",
+        f"task.tokenizer='{model_dir}'",
+        "task.max_len=8",
+        "model.source='hf'",
+        f"model.path='{model_dir}'",
+        f"model.num_layers={NUM_LAYERS}",
+        "model.moe_layers=[1, 2]",
+        "model.freeze=['model.embed_tokens', 'model.layers.0']",
+        *ADAPTIVE,
+        "train.precision='float64'",
+        f"train.max_steps={steps}",
+        "train.global_batch_size=6",
+        "train.lr=0.01",
+        "train.warmup_steps=1",
+        "output.progress=false",
+        "output.tensorboard=false",
+        "output.report=false",
+    ]
 
 
 def train(cmd_prefix, out_dir, settings):
     """Run a training command (`python -m dynmoe_dist.train`, `launcher/torchrun.sh N`) with --set settings;
     its metrics.jsonl records."""
-    env = {**os.environ, "PYTHON": sys.executable, "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "MASTER_ADDR": "127.0.0.1",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
     out_dir = Path(out_dir)
     cmd = [*cmd_prefix, "--out-dir", str(out_dir)]
     for setting in settings:
@@ -83,5 +113,8 @@ def changes(records):
     """(step, layer, removed, added ids, expert count) of each event that removed or added experts: what
     must agree across world sizes. Moves and imbalance depend on the ep size, and so does whether a layer
     whose experts only moved logs an event at all."""
-    return [(r["step"], r["layer"], r["removed"], [a["expert"] for a in r["added"]], r["num_experts"])
-            for r in records if r["kind"] == "event" and (r["removed"] or r["added"])]
+    return [
+        (r["step"], r["layer"], r["removed"], [a["expert"] for a in r["added"]], r["num_experts"])
+        for r in records
+        if r["kind"] == "event" and (r["removed"] or r["added"])
+    ]

@@ -96,10 +96,20 @@ def train_and_time(trainer, adaptive, groups) -> Dict:
         barrier(groups, "bench event start")
         started = time.perf_counter()
         event_records = adaptive.after_step(index)
-        events.append({"after_step": index, "event_s": time.perf_counter() - started,
-                       **adaptive.coordinator.phases, "records": event_records})
-    return {"steps_s": steps, "events": events, "rank_load": [r["rank_load"] for r in records],
-            "num_experts": [r["num_experts"] for r in records]}
+        events.append(
+            {
+                "after_step": index,
+                "event_s": time.perf_counter() - started,
+                **adaptive.coordinator.phases,
+                "records": event_records,
+            }
+        )
+    return {
+        "steps_s": steps,
+        "events": events,
+        "rank_load": [r["rank_load"] for r in records],
+        "num_experts": [r["num_experts"] for r in records],
+    }
 
 
 def rank_worker(config_path: str, overrides: List[str], skewed: bool) -> Dict:
@@ -145,16 +155,24 @@ def layer_changes(per_rank: List[Dict], index: int) -> List[Dict]:
     event = per_rank[0]["events"][index]
     step = event["after_step"]
     loads = per_rank[0]["rank_load"]
-    before, after = loads[max(0, step + 1 - LOAD_STEPS): step + 1], loads[step + 1: step + 1 + LOAD_STEPS]
+    before, after = loads[max(0, step + 1 - LOAD_STEPS) : step + 1], loads[step + 1 : step + 1 + LOAD_STEPS]
     changes = []
     for rec in event["records"]:
         layer = rec["layer"]
-        changes.append({"layer": layer, "removed": len(rec["removed"]), "added": len(rec["added"]),
-                        "moved": rec["moves"], "replicas": rec["replicas"], "num_experts": rec["num_experts"],
-                        "planned_imbalance_before": rec["imbalance_before"],
-                        "planned_imbalance_after": rec["imbalance_after"],
-                        "measured_imbalance_before": measured_imbalance(before, layer),
-                        "measured_imbalance_after": measured_imbalance(after, layer)})
+        changes.append(
+            {
+                "layer": layer,
+                "removed": len(rec["removed"]),
+                "added": len(rec["added"]),
+                "moved": rec["moves"],
+                "replicas": rec["replicas"],
+                "num_experts": rec["num_experts"],
+                "planned_imbalance_before": rec["imbalance_before"],
+                "planned_imbalance_after": rec["imbalance_after"],
+                "measured_imbalance_before": measured_imbalance(before, layer),
+                "measured_imbalance_after": measured_imbalance(after, layer),
+            }
+        )
     return changes
 
 
@@ -166,29 +184,51 @@ def event_summary(runs: List[Dict], per_rank: List[Dict], index: int, step_media
     phases = {key: spread([r["events"][index][key] for r in runs]) for key in PHASES + ("apply_s",)}
     ratio = phases["event_s"]["median"] / step_median
     worst = max(r["events"][index]["event_s"] / statistics.median(r["normal_steps"]) for r in runs)
-    return {"after_step": per_rank[0]["events"][index]["after_step"], "seconds": phases,
-            "event_in_steps": ratio, "worst_run_event_in_steps": worst, "target_max_steps": TARGET_STEPS,
-            "met": ratio <= TARGET_STEPS, "changed_layers": layer_changes(per_rank, index),
-            "step_after_event_s": spread([r["events"][index]["step_after_event_s"] for r in runs
-                                          if r["events"][index]["step_after_event_s"] is not None] or [0.0])}
+    return {
+        "after_step": per_rank[0]["events"][index]["after_step"],
+        "seconds": phases,
+        "event_in_steps": ratio,
+        "worst_run_event_in_steps": worst,
+        "target_max_steps": TARGET_STEPS,
+        "met": ratio <= TARGET_STEPS,
+        "changed_layers": layer_changes(per_rank, index),
+        "step_after_event_s": spread(
+            [
+                r["events"][index]["step_after_event_s"]
+                for r in runs
+                if r["events"][index]["step_after_event_s"] is not None
+            ]
+            or [0.0]
+        ),
+    }
 
 
 def scenario(world: int, skewed: bool, config_path: str, extra: List[str], repeats: int, timeout: float) -> Dict:
     """The same (deterministic) training run `repeats` times; times are spread over the repeats."""
     overrides = (SKEW_OVERRIDES if skewed else []) + extra
-    results = [run_simulated(rank_worker, world, args=(config_path, overrides, skewed), timeout_s=timeout)
-               for _ in range(repeats)]
+    results = [
+        run_simulated(rank_worker, world, args=(config_path, overrides, skewed), timeout_s=timeout)
+        for _ in range(repeats)
+    ]
     runs = [run_times(per_rank) for per_rank in results]
     normal = [s for r in runs for s in r["normal_steps"]]
     step_median = statistics.median(normal)
     first = results[0]
-    same = all([e["records"] for e in pr[0]["events"]] == [e["records"] for e in first[0]["events"]]
-               for pr in results)
+    same = all([e["records"] for e in pr[0]["events"]] == [e["records"] for e in first[0]["events"]] for pr in results)
     events = [event_summary(runs, first, i, step_median) for i in range(len(first[0]["events"]))]
-    return {"ranks": world, "scenario": "skewed" if skewed else "natural", "overrides": overrides,
-            "repeats": repeats, "steps_per_run": len(first[0]["steps_s"]), "step_median_s": step_median,
-            "step_min_s": min(normal), "events": events, "num_experts_final": first[0]["num_experts"][-1],
-            "same_events_every_repeat": same, "all_events_met": all(e["met"] for e in events)}
+    return {
+        "ranks": world,
+        "scenario": "skewed" if skewed else "natural",
+        "overrides": overrides,
+        "repeats": repeats,
+        "steps_per_run": len(first[0]["steps_s"]),
+        "step_median_s": step_median,
+        "step_min_s": min(normal),
+        "events": events,
+        "num_experts_final": first[0]["num_experts"][-1],
+        "same_events_every_repeat": same,
+        "all_events_met": all(e["met"] for e in events),
+    }
 
 
 def parse(argv) -> argparse.Namespace:
@@ -204,8 +244,22 @@ def parse(argv) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse(sys.argv[1:] if argv is None else argv)
-    runs = [scenario(world, name == "skewed", args.config, args.overrides, args.repeats, args.timeout)
-            for world in args.ranks for name in args.scenarios]
-    print(json.dumps({"benchmark": "adapt", "config": args.config, "torch_threads_per_rank": 1,
-                      "backend": "gloo", "target_max_steps": TARGET_STEPS, "runs": runs,
-                      "all_met": all(r["all_events_met"] for r in runs)}, indent=2))
+    runs = [
+        scenario(world, name == "skewed", args.config, args.overrides, args.repeats, args.timeout)
+        for world in args.ranks
+        for name in args.scenarios
+    ]
+    print(
+        json.dumps(
+            {
+                "benchmark": "adapt",
+                "config": args.config,
+                "torch_threads_per_rank": 1,
+                "backend": "gloo",
+                "target_max_steps": TARGET_STEPS,
+                "runs": runs,
+                "all_met": all(r["all_events_met"] for r in runs),
+            },
+            indent=2,
+        )
+    )

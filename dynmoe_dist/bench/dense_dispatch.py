@@ -52,8 +52,7 @@ def dense_dispatch_forward(layer: MoELayer, x: Tensor) -> Tuple[Tensor, Tensor, 
     combine_TEC, dispatch_TEC, capacity = dense_dispatch_tensors(routing)
     buffers_ECD = torch.einsum("sec,sm->ecm", dispatch_TEC.type_as(x_TD), x_TD)
     # All experts compute on their full padded buffers, as DeepSpeed's Experts module does.
-    expert_out_ECD = torch.stack([expert(buffer_CD)
-                                  for expert, buffer_CD in zip(layer.experts.experts, buffers_ECD)])
+    expert_out_ECD = torch.stack([expert(buffer_CD) for expert, buffer_CD in zip(layer.experts.experts, buffers_ECD)])
     out_TD = torch.einsum("sec,ecm->sm", combine_TEC.type_as(x_TD), expert_out_ECD)
     return out_TD.reshape(x.shape), layer.aux_loss(routing), capacity
 

@@ -39,6 +39,7 @@ def layer_step(layer, x_TD, cot_TD) -> Callable[[], None]:
         x = x_TD.detach().requires_grad_()
         res = layer(x)
         ((res.output * cot_TD).sum() + res.aux_loss).backward()
+
     return run
 
 
@@ -47,6 +48,7 @@ def fairscale_step(layer, x_TD, cot_TD, num_local: int) -> Callable[[], None]:
         x = parts.fairscale_input(x_TD.detach(), num_local).requires_grad_()
         out = layer(x)
         ((out.reshape(cot_TD.shape) * cot_TD).sum() + layer.l_aux).backward()
+
     return run
 
 
@@ -66,11 +68,14 @@ def our_bytes(layer, x_TD) -> Dict:
     with torch.no_grad():
         routed = int(layer(x_TD).routing.mask.sum())  # NOTE: device-to-host sync (setup, untimed)
     comm = layer.dispatcher.comm
-    return {"routed_rows": routed, "bytes_per_direction": comm.bytes_sent,
-            "remote_bytes_per_direction": comm.remote_bytes_sent,
-            "bytes_equal_routed_rows": comm.bytes_sent == routed * x_TD.shape[1] * x_TD.element_size(),
-            # forward dispatch + combine, and the same two exchanges again in backward
-            "bytes_per_step": 4 * comm.bytes_sent}
+    return {
+        "routed_rows": routed,
+        "bytes_per_direction": comm.bytes_sent,
+        "remote_bytes_per_direction": comm.remote_bytes_sent,
+        "bytes_equal_routed_rows": comm.bytes_sent == routed * x_TD.shape[1] * x_TD.element_size(),
+        # forward dispatch + combine, and the same two exchanges again in backward
+        "bytes_per_step": 4 * comm.bytes_sent,
+    }
 
 
 def fairscale_bytes(fs, x_TD, shapes: parts.Shapes, world: int) -> Dict:
@@ -78,9 +83,14 @@ def fairscale_bytes(fs, x_TD, shapes: parts.Shapes, world: int) -> Dict:
     num_experts = shapes.num_experts(world)
     per_direction = parts.fairscale_bytes_per_direction(x_TD.shape[0], num_experts, shapes.dim, x_TD.element_size())
     kept = parts.fairscale_kept_pairs(fs, x_TD)
-    return {"bytes_per_direction": per_direction, "remote_bytes_per_direction": per_direction * (world - 1) // world,
-            "bytes_per_step": 4 * per_direction, "capacity": parts.fairscale_capacity(x_TD.shape[0], num_experts),
-            "kept_pairs": kept, "dropped_pairs": 2 * x_TD.shape[0] - kept}
+    return {
+        "bytes_per_direction": per_direction,
+        "remote_bytes_per_direction": per_direction * (world - 1) // world,
+        "bytes_per_step": 4 * per_direction,
+        "capacity": parts.fairscale_capacity(x_TD.shape[0], num_experts),
+        "kept_pairs": kept,
+        "dropped_pairs": 2 * x_TD.shape[0] - kept,
+    }
 
 
 def pin_to_core(rank: int, pin: bool) -> None:
@@ -121,24 +131,36 @@ def rank_worker(shapes_dict: Dict, warmup: int, repeats: int, pin: bool = False)
         # Rotate the order every round: what ran just before matters (fairscale frees ~1 GB of
         # buffers, and the next contender pays the page faults of fresh allocations), so every
         # contender follows every other equally often.
-        for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
             fn = contenders[name]
             parts.zero_grads(top2, top_any, fs)
             wall_s, cpu_s = timed(fn, groups)
             if round_ >= warmup:
                 times[name].append(wall_s)
                 cpu[name].append(cpu_s)
-    wire = {"ours_top2": our_bytes(top2, x_TD), "ours_top_any": our_bytes(top_any, x_TD),
-            "fairscale_top2": fairscale_bytes(fs, x_TD, shapes, groups.ep_size)}
-    return {"rank": groups.rank, "times": times, "cpu": cpu, "wire": wire,
-            "received_rows_per_expert": {"ours_top2": received.counts_e, "ours_top_any": received_any.counts_e},
-            "mean_k_top2": mean_k_top2,
-            "mean_k_top_any": parts.global_mean_k(top_any, x_TD, groups), "top_any_threshold": threshold}
+    wire = {
+        "ours_top2": our_bytes(top2, x_TD),
+        "ours_top_any": our_bytes(top_any, x_TD),
+        "fairscale_top2": fairscale_bytes(fs, x_TD, shapes, groups.ep_size),
+    }
+    return {
+        "rank": groups.rank,
+        "times": times,
+        "cpu": cpu,
+        "wire": wire,
+        "received_rows_per_expert": {"ours_top2": received.counts_e, "ours_top_any": received_any.counts_e},
+        "mean_k_top2": mean_k_top2,
+        "mean_k_top_any": parts.global_mean_k(top_any, x_TD, groups),
+        "top_any_threshold": threshold,
+    }
 
 
 # -- the parent: assemble ------------------------------------------------------------------------------
-RATIOS = {"vs_fairscale": ("ours_top2", "fairscale_top2"), "top_any_vs_top_k": ("ours_top_any", "ours_top2"),
-          "vs_limit": ("ours_top2", "limit")}
+RATIOS = {
+    "vs_fairscale": ("ours_top2", "fairscale_top2"),
+    "top_any_vs_top_k": ("ours_top_any", "ours_top2"),
+    "vs_limit": ("ours_top2", "limit"),
+}
 
 
 def step_times(per_rank: List[Dict], kind: str, name: str) -> List[float]:
@@ -159,14 +181,25 @@ def figures(per_rank: List[Dict], kind: str) -> Dict:
     for key, (num, den) in RATIOS.items():
         r_min = stats[num]["min_s"] / stats[den]["min_s"]
         r_med = stats[num]["median_s"] / stats[den]["median_s"]
-        ratios[key] = {"of": f"{num} / {den}", "min": r_min, "median": r_med, "target_max": TARGETS[key],
-                       "met_min": r_min <= TARGETS[key], "met_median": r_med <= TARGETS[key]}
+        ratios[key] = {
+            "of": f"{num} / {den}",
+            "min": r_min,
+            "median": r_med,
+            "target_max": TARGETS[key],
+            "met_min": r_min <= TARGETS[key],
+            "met_median": r_med <= TARGETS[key],
+        }
     return {"step": stats, "ratios": ratios}
 
 
 def per_rank_table(per_rank: List[Dict], kind: str) -> Dict:
-    return {name: [{"rank": r["rank"], "min_s": min(r[kind][name]), "median_s": statistics.median(r[kind][name])}
-                   for r in per_rank] for name in per_rank[0][kind]}
+    return {
+        name: [
+            {"rank": r["rank"], "min_s": min(r[kind][name]), "median_s": statistics.median(r[kind][name])}
+            for r in per_rank
+        ]
+        for name in per_rank[0][kind]
+    }
 
 
 def summarise(per_rank: List[Dict], args) -> Dict:
@@ -174,20 +207,35 @@ def summarise(per_rank: List[Dict], args) -> Dict:
     wire = [r["wire"] for r in per_rank]
     return {
         "benchmark": "ep",
-        "setup": {"ranks": args.ranks, "backend": "gloo", "torch_threads_per_rank": 1, "dim": args.dim,
-                  "ffn_dim": args.ffn_dim, "experts_per_rank": args.experts_per_rank,
-                  "tokens_per_rank": args.tokens, "dtype": "float32", "warmup_rounds": args.warmup,
-                  "timed_rounds": args.repeats, "torch": torch.__version__},
+        "setup": {
+            "ranks": args.ranks,
+            "backend": "gloo",
+            "torch_threads_per_rank": 1,
+            "dim": args.dim,
+            "ffn_dim": args.ffn_dim,
+            "experts_per_rank": args.experts_per_rank,
+            "tokens_per_rank": args.tokens,
+            "dtype": "float32",
+            "warmup_rounds": args.warmup,
+            "timed_rounds": args.repeats,
+            "torch": torch.__version__,
+        },
         "step_s": wall["step"],
         "ratios": wall["ratios"],
         "cpu_s": cpu["step"],
         "cpu_ratios": cpu["ratios"],
-        "wire_bytes": {"per_rank": wire,
-                       "ours_equal_routed_rows_on_every_rank": all(
-                           w[name]["bytes_equal_routed_rows"] for w in wire for name in ("ours_top2", "ours_top_any"))},
-        "routing": {"mean_k_top2": per_rank[0]["mean_k_top2"], "mean_k_top_any": per_rank[0]["mean_k_top_any"],
-                    "top_any_threshold": per_rank[0]["top_any_threshold"],
-                    "received_rows_per_expert": [r["received_rows_per_expert"] for r in per_rank]},
+        "wire_bytes": {
+            "per_rank": wire,
+            "ours_equal_routed_rows_on_every_rank": all(
+                w[name]["bytes_equal_routed_rows"] for w in wire for name in ("ours_top2", "ours_top_any")
+            ),
+        },
+        "routing": {
+            "mean_k_top2": per_rank[0]["mean_k_top2"],
+            "mean_k_top_any": per_rank[0]["mean_k_top_any"],
+            "top_any_threshold": per_rank[0]["top_any_threshold"],
+            "received_rows_per_expert": [r["received_rows_per_expert"] for r in per_rank],
+        },
         "per_rank_step_s": per_rank_table(per_rank, "times"),
         "per_rank_cpu_s": per_rank_table(per_rank, "cpu"),
     }
@@ -210,6 +258,11 @@ def parse(argv) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse(sys.argv[1:] if argv is None else argv)
     shapes = parts.Shapes(args.dim, args.ffn_dim, args.experts_per_rank, args.tokens)
-    per_rank = run_simulated(rank_worker, args.ranks, args=(asdict(shapes), args.warmup, args.repeats, args.pin),
-                             timeout_s=args.timeout, collective_timeout_s=args.timeout)
+    per_rank = run_simulated(
+        rank_worker,
+        args.ranks,
+        args=(asdict(shapes), args.warmup, args.repeats, args.pin),
+        timeout_s=args.timeout,
+        collective_timeout_s=args.timeout,
+    )
     print(json.dumps(summarise(per_rank, args), indent=2))

@@ -45,8 +45,9 @@ class Shapes:
 def our_layer(shapes: Shapes, groups: ParallelGroups, router: str, seed: int = 0) -> MoELayer:
     """Our MoE layer sharded over the ep group; the same seed gives the same weights on every rank."""
     torch.manual_seed(seed)
-    config = MoEConfig(dim=shapes.dim, ffn_dim=shapes.ffn_dim, num_experts=shapes.num_experts(groups.ep_size),
-                       router=router, top_k=2)
+    config = MoEConfig(
+        dim=shapes.dim, ffn_dim=shapes.ffn_dim, num_experts=shapes.num_experts(groups.ep_size), router=router, top_k=2
+    )
     layer = MoELayer(config)
     parallelize(layer, groups)
     return layer
@@ -94,8 +95,9 @@ def global_mean_k(layer: MoELayer, x_TD: Tensor, groups: ParallelGroups) -> floa
     return float(totals[0] / totals[1].clamp(min=1))
 
 
-def calibrate_threshold(layer: MoELayer, x_TD: Tensor, groups: ParallelGroups, target_k: float,
-                        iterations: int = 40) -> float:
+def calibrate_threshold(
+    layer: MoELayer, x_TD: Tensor, groups: ParallelGroups, target_k: float, iterations: int = 40
+) -> float:
     """Set every threshold of a top-any router to one shared value g with mean k = target_k.
 
     A token selects e iff cos(x, W_e) > G_e, so mean k falls monotonically as g rises: bisect g over
@@ -162,8 +164,11 @@ def capture_received(layer: MoELayer, x_TD: Tensor) -> Received:
 
     def recording(x, routing):
         rows, counts_e, meta = dispatch(x, routing)
-        seen.update(counts_e=counts_e.tolist(),  # NOTE: device-to-host sync (test probe)
-                    send=list(meta.send_splits), recv=list(meta.recv_splits))
+        seen.update(
+            counts_e=counts_e.tolist(),  # NOTE: device-to-host sync (test probe)
+            send=list(meta.send_splits),
+            recv=list(meta.recv_splits),
+        )
         return rows, counts_e, meta
 
     # an instance attribute shadowing the method (mypy rejects assigning to a method by name)
@@ -176,8 +181,9 @@ def capture_received(layer: MoELayer, x_TD: Tensor) -> Received:
     return Received(seen["counts_e"], seen["send"], seen["recv"])
 
 
-def expert_matmuls(experts: Sequence[nn.Module], counts_e: Sequence[int], dim: int,
-                   generator: torch.Generator) -> Callable[[], None]:
+def expert_matmuls(
+    experts: Sequence[nn.Module], counts_e: Sequence[int], dim: int, generator: torch.Generator
+) -> Callable[[], None]:
     """A closure running forward + backward of each local expert on exactly its received rows."""
     rows = [torch.randn(n, dim, generator=generator).requires_grad_() for n in counts_e]
     cots = [torch.randn(n, dim, generator=generator) for n in counts_e]

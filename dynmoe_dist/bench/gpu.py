@@ -106,6 +106,7 @@ def _release_device(context: dict) -> None:
         return
     try:
         import torch
+
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     except Exception as error:  # a broken context fails the next section, which records it
@@ -119,15 +120,28 @@ def run_sections(sections: Sequence[Section], context: dict, budget_s: float = T
 
 def build_report(records: List[dict], context: dict, wall_s: float) -> dict:
     counts = {status: sum(r["status"] == status for r in records) for status in STATUSES}
-    return {"schema": SCHEMA, "started_utc": context.get("started_utc"), "wall_s": round(wall_s, 2),
-            "cuda": bool(context.get("cuda")), "rehearsal": bool(context.get("rehearsal")),
-            "summary": counts, "sections": records}
+    return {
+        "schema": SCHEMA,
+        "started_utc": context.get("started_utc"),
+        "wall_s": round(wall_s, 2),
+        "cuda": bool(context.get("cuda")),
+        "rehearsal": bool(context.get("rehearsal")),
+        "summary": counts,
+        "sections": records,
+    }
 
 
 KeyKinds = Dict[str, Union[type, Tuple[type, ...]]]  # key -> the isinstance() classes its value must have
 SECTION_KEYS: KeyKinds = {"name": str, "what": str, "cap_s": (int, float), "status": str, "seconds": (int, float)}
-REPORT_KEYS: KeyKinds = {"schema": str, "started_utc": str, "wall_s": (int, float), "cuda": bool,
-                         "rehearsal": bool, "summary": dict, "sections": list}
+REPORT_KEYS: KeyKinds = {
+    "schema": str,
+    "started_utc": str,
+    "wall_s": (int, float),
+    "cuda": bool,
+    "rehearsal": bool,
+    "summary": dict,
+    "sections": list,
+}
 
 
 def check_schema(report: dict) -> None:
@@ -151,9 +165,14 @@ def check_schema(report: dict) -> None:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# gpu-check ({report['started_utc']}, {report['wall_s']:.0f} s)", "",
-             "pass {pass}, fail {fail}, skip {skip}".format(**report["summary"]), "",
-             "| section | status | s | figures / reason |", "|---|---|---|---|"]
+    lines = [
+        f"# gpu-check ({report['started_utc']}, {report['wall_s']:.0f} s)",
+        "",
+        "pass {pass}, fail {fail}, skip {skip}".format(**report["summary"]),
+        "",
+        "| section | status | s | figures / reason |",
+        "|---|---|---|---|",
+    ]
     for r in report["sections"]:
         detail = r.get("reason") or (r.get("error", "").strip().splitlines() or [""])[-1]
         if r["status"] != "skip" and "result" in r:
@@ -171,13 +190,19 @@ def write_outputs(report: dict, out_dir: Path) -> Dict[str, Path]:
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m dynmoe_dist.bench gpu", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m dynmoe_dist.bench gpu",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", required=True, help="directory for gpu_check.json and gpu_check.md")
     parser.add_argument("--only", default="", help="comma-separated section names (default: all)")
     parser.add_argument("--budget-s", type=float, default=TOTAL_BUDGET_S, help="total time budget")
-    parser.add_argument("--rehearse-on-cpu", action="store_true",
-                        help="run every section on CPU at toy sizes (tests the check itself; figures mean nothing)")
+    parser.add_argument(
+        "--rehearse-on-cpu",
+        action="store_true",
+        help="run every section on CPU at toy sizes (tests the check itself; figures mean nothing)",
+    )
     return parser.parse_args(argv)
 
 
@@ -185,13 +210,15 @@ def main(argv: Optional[List[str]] = None) -> dict:
     modules_at_start = set(sys.modules)
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     from dynmoe_dist.bench import gpu_sections
+
     sections: Sequence[Section] = gpu_sections.SECTIONS
     if args.only:
         wanted = args.only.split(",")
         unknown = sorted(set(wanted) - {s.name for s in sections})
         if unknown:
-            raise ValueError(f"--only ({args.only!r}) names unknown sections {unknown}; "
-                             f"known: {[s.name for s in sections]}")
+            raise ValueError(
+                f"--only ({args.only!r}) names unknown sections {unknown}; known: {[s.name for s in sections]}"
+            )
         sections = [s for s in sections if s.name in wanted]
     started = time.monotonic()
     context = gpu_sections.make_context(Path(args.out), args.rehearse_on_cpu, modules_at_start)

@@ -30,8 +30,9 @@ ROUTERS = ("top_any", "top_k", "top_p")
 def reference_layer(router: str, num_experts: int = 8, dim: int = 32, ffn_dim: int = 48, seed: int = 0):
     """A float64 CPU layer; top_any's last expert has an unreachable threshold (an expert with no rows)."""
     torch.manual_seed(seed)
-    config = MoEConfig(dim=dim, ffn_dim=ffn_dim, num_experts=num_experts, router=router, top_k=2, top_p=0.4,
-                       threshold_init=0.2)
+    config = MoEConfig(
+        dim=dim, ffn_dim=ffn_dim, num_experts=num_experts, router=router, top_k=2, top_p=0.4, threshold_init=0.2
+    )
     layer = MoELayer(config).double().train()
     with torch.no_grad():
         # Away from the orthogonal init: there the diverse loss ||Wn Wn^T - I||_F is ~0 and its gradient
@@ -97,29 +98,41 @@ def check_router(router: str, num_tokens: int, precision: str, device: str = "cu
     grad_TD = torch.randn(x_TD.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     device_layer = copy.deepcopy(ref_layer).float().to(device)
     ref, ref_routing = _run(ref_layer, x_TD, grad_TD, bf16=False)
-    mine, routing = _run(device_layer, x_TD.float().to(device), grad_TD.float().to(device),
-                         bf16=precision == "bf16")
+    mine, routing = _run(device_layer, x_TD.float().to(device), grad_TD.float().to(device), bf16=precision == "bf16")
     result = compare(mine, ref, TOLERANCE[precision])
     k_T, counts_E = ref_routing.num_selected, ref_routing.mask.sum(dim=0)
     flips = int((routing.mask.cpu() != ref_routing.mask).any(dim=-1).sum())  # NOTE: device-to-host sync
-    result.update(router=router, precision=precision, tokens=num_tokens, routing_flips=flips,
-                  k0_tokens=int((k_T == 0).sum()), empty_experts=int((counts_E == 0).sum()))
+    result.update(
+        router=router,
+        precision=precision,
+        tokens=num_tokens,
+        routing_flips=flips,
+        k0_tokens=int((k_T == 0).sum()),
+        empty_experts=int((counts_E == 0).sum()),
+    )
     result["passed"] = result["passed"] and flips == 0
     return result
 
 
 def layer_correctness(context: dict) -> Dict:
-    cases = [check_router(router, tokens, precision, context["device"]) for router in ROUTERS
-             for tokens in (6, 256) for precision in ("fp32", "bf16")]
+    cases = [
+        check_router(router, tokens, precision, context["device"])
+        for router in ROUTERS
+        for tokens in (6, 256)
+        for precision in ("fp32", "bf16")
+    ]
     failed = [c for c in cases if not c["passed"]]
     k0 = sum(c["k0_tokens"] for c in cases)
     empty = sum(c["empty_experts"] > 0 for c in cases)
     worst = max(cases, key=lambda c: c["max_rel_err"] / TOLERANCE[c["precision"]])
-    return {"passed": not failed, "cases": cases, "failed": [f"{c['router']} T={c['tokens']} {c['precision']}"
-                                                             for c in failed],
-            "summary": f"{len(cases) - len(failed)}/{len(cases)} cases within tolerance; {k0} k=0 tokens, "
-                       f"{empty} cases with empty experts; worst {worst['router']} {worst['precision']} "
-                       f"rel err {worst['max_rel_err']:.2e}"}
+    return {
+        "passed": not failed,
+        "cases": cases,
+        "failed": [f"{c['router']} T={c['tokens']} {c['precision']}" for c in failed],
+        "summary": f"{len(cases) - len(failed)}/{len(cases)} cases within tolerance; {k0} k=0 tokens, "
+        f"{empty} cases with empty experts; worst {worst['router']} {worst['precision']} "
+        f"rel err {worst['max_rel_err']:.2e}",
+    }
 
 
 # -- grouped matmul vs the per-expert loop ---------------------------------------------------------------
@@ -147,12 +160,24 @@ def grouped_vs_loop(context: dict) -> Dict:
             continue
         tol = TOLERANCE[precision]
         grouped, loop = compare(runs["grouped_mm"], reference, tol), compare(runs["loop"], reference, tol)
-        results.append({"precision": precision, "grouped_mm": grouped, "loop": loop,
-                        "grouped_vs_loop_rel_err": compare(runs["grouped_mm"], runs["loop"], tol)["max_rel_err"],
-                        "passed": grouped["passed"] and loop["passed"]})
-    text = "; ".join(f"{r['precision']}: " + (f"grouped_mm unsupported ({r['unsupported'][:60]})" if "unsupported" in r
-                                              else f"rel err vs float64 grouped {r['grouped_mm']['max_rel_err']:.1e}, "
-                                                   f"loop {r['loop']['max_rel_err']:.1e}") for r in results)
+        results.append(
+            {
+                "precision": precision,
+                "grouped_mm": grouped,
+                "loop": loop,
+                "grouped_vs_loop_rel_err": compare(runs["grouped_mm"], runs["loop"], tol)["max_rel_err"],
+                "passed": grouped["passed"] and loop["passed"],
+            }
+        )
+    text = "; ".join(
+        f"{r['precision']}: "
+        + (
+            f"grouped_mm unsupported ({r['unsupported'][:60]})"
+            if "unsupported" in r
+            else f"rel err vs float64 grouped {r['grouped_mm']['max_rel_err']:.1e}, loop {r['loop']['max_rel_err']:.1e}"
+        )
+        for r in results
+    )
     return {"passed": all(r["passed"] for r in results), "cases": results, "summary": text}
 
 
@@ -190,13 +215,17 @@ def _timed_ms(step, device: str, warmup: int = 2, repeats: int = 5) -> Dict:
     step()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    return {"ms_median": round(sorted(times)[len(times) // 2], 3), "ms_min": round(min(times), 3),
-            "peak_mb_above_baseline": round(peak, 1)}
+    return {
+        "ms_median": round(sorted(times)[len(times) // 2], 3),
+        "ms_min": round(min(times), 3),
+        "peak_mb_above_baseline": round(peak, 1),
+    }
 
 
 def _timed_ms_host(step, warmup: int, repeats: int) -> Dict:
     """The rehearsal on CPU: wall-clock time, no device memory figure."""
     import time
+
     for _ in range(warmup):
         step()
     times = []
@@ -204,20 +233,30 @@ def _timed_ms_host(step, warmup: int, repeats: int) -> Dict:
         start = time.perf_counter()
         step()
         times.append((time.perf_counter() - start) * 1e3)
-    return {"ms_median": round(sorted(times)[len(times) // 2], 3), "ms_min": round(min(times), 3),
-            "peak_mb_above_baseline": None}
+    return {
+        "ms_median": round(sorted(times)[len(times) // 2], 3),
+        "ms_min": round(min(times), 3),
+        "peak_mb_above_baseline": None,
+    }
 
 
 def _bf16(step, device: str):
     def wrapped():
         with torch.autocast(device, dtype=torch.bfloat16):
             step()
+
     return wrapped
 
 
 def throughput_case(num_experts: int, shape: ThroughputShape, device: str) -> Dict:
-    spec = layer_cases.CaseSpec(case="top_k", tokens=shape["tokens"], dim=shape["dim"], ffn_dim=shape["ffn_dim"],
-                                num_experts=num_experts, k=shape["k"])
+    spec = layer_cases.CaseSpec(
+        case="top_k",
+        tokens=shape["tokens"],
+        dim=shape["dim"],
+        ffn_dim=shape["ffn_dim"],
+        num_experts=num_experts,
+        k=shape["k"],
+    )
     with torch.device(device):
         layer = layer_cases.build_layer(spec, "top_k")
         any_layer = MoELayer(replace(layer.config, router="top_any"), experts=layer.experts).train()
@@ -232,24 +271,43 @@ def throughput_case(num_experts: int, shape: ThroughputShape, device: str) -> Di
             p.grad = None
         dense(x_TD).backward(grad_TD)
 
-    cases = {"top_k": _timed_ms(_bf16(layer_cases.moe_step(layer, x_TD, grad_TD), device), device),
-             "top_any": _timed_ms(_bf16(layer_cases.moe_step(any_layer, x_TD, grad_TD), device), device),
-             "dense_ffn": _timed_ms(_bf16(dense_step, device), device)}
+    cases = {
+        "top_k": _timed_ms(_bf16(layer_cases.moe_step(layer, x_TD, grad_TD), device), device),
+        "top_any": _timed_ms(_bf16(layer_cases.moe_step(any_layer, x_TD, grad_TD), device), device),
+        "dense_ffn": _timed_ms(_bf16(dense_step, device), device),
+    }
     for timing in cases.values():
         timing["tokens_per_s"] = round(spec.tokens / (timing["ms_median"] / 1e3))
-    ratios = {"moe_vs_dense_tokens_per_s": cases["top_k"]["tokens_per_s"] / cases["dense_ffn"]["tokens_per_s"],
-              "top_any_vs_top_k_time": cases["top_any"]["ms_median"] / cases["top_k"]["ms_median"]}
-    met = {name: (value >= TARGETS[name][1]) if TARGETS[name][0] == ">=" else (value <= TARGETS[name][1])
-           for name, value in ratios.items()}
-    return {"experts": num_experts, "top_any_mean_k": round(mean_k, 4), "cases": cases,
-            "ratios": {k: round(v, 3) for k, v in ratios.items()}, "targets_met": met}
+    ratios = {
+        "moe_vs_dense_tokens_per_s": cases["top_k"]["tokens_per_s"] / cases["dense_ffn"]["tokens_per_s"],
+        "top_any_vs_top_k_time": cases["top_any"]["ms_median"] / cases["top_k"]["ms_median"],
+    }
+    met = {
+        name: (value >= TARGETS[name][1]) if TARGETS[name][0] == ">=" else (value <= TARGETS[name][1])
+        for name, value in ratios.items()
+    }
+    return {
+        "experts": num_experts,
+        "top_any_mean_k": round(mean_k, 4),
+        "cases": cases,
+        "ratios": {k: round(v, 3) for k, v in ratios.items()},
+        "targets_met": met,
+    }
 
 
 def throughput(context: dict) -> Dict:
     shape = REHEARSAL_SHAPE if context.get("rehearsal") else THROUGHPUT_SHAPE
     results = [throughput_case(e, shape, context["device"]) for e in shape["experts"]]
-    text = "; ".join(f"E={r['experts']}: MoE/dense {r['ratios']['moe_vs_dense_tokens_per_s']:.2f}x tokens/s, "
-                     f"top-any/top-k {r['ratios']['top_any_vs_top_k_time']:.2f}x time" for r in results)
-    return {"shape": shape, "precision": "bf16 autocast, fp32 master weights",
-            "targets": {k: f"{op} {v}" for k, (op, v) in TARGETS.items()}, "results": results,
-            "all_targets_met": all(all(r["targets_met"].values()) for r in results), "summary": text}
+    text = "; ".join(
+        f"E={r['experts']}: MoE/dense {r['ratios']['moe_vs_dense_tokens_per_s']:.2f}x tokens/s, "
+        f"top-any/top-k {r['ratios']['top_any_vs_top_k_time']:.2f}x time"
+        for r in results
+    )
+    return {
+        "shape": shape,
+        "precision": "bf16 autocast, fp32 master weights",
+        "targets": {k: f"{op} {v}" for k, (op, v) in TARGETS.items()},
+        "results": results,
+        "all_targets_met": all(all(r["targets_met"].values()) for r in results),
+        "summary": text,
+    }

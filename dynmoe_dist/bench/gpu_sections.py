@@ -22,20 +22,44 @@ from dynmoe_dist.bench import gpu_layer, gpu_train
 from dynmoe_dist.bench.gpu import Section, Skip
 
 # What the GPU machine has, besides the standard library (and torch's own dependencies).
-ALLOWED_IMPORTS = {"torch", "triton", "numpy", "transformers", "safetensors", "tokenizers", "tensorboard",
-                   "matplotlib", "dynmoe_dist"}
-CHECKED_PACKAGES = ("triton", "numpy", "transformers", "safetensors", "tokenizers", "tensorboard", "matplotlib",
-                    "tqdm", "ray", "fairscale", "pytest")
+ALLOWED_IMPORTS = {
+    "torch",
+    "triton",
+    "numpy",
+    "transformers",
+    "safetensors",
+    "tokenizers",
+    "tensorboard",
+    "matplotlib",
+    "dynmoe_dist",
+}
+CHECKED_PACKAGES = (
+    "triton",
+    "numpy",
+    "transformers",
+    "safetensors",
+    "tokenizers",
+    "tensorboard",
+    "matplotlib",
+    "tqdm",
+    "ray",
+    "fairscale",
+    "pytest",
+)
 
 
 def make_context(out_dir: Path, rehearsal: bool = False, modules_at_start=None) -> dict:
     """``rehearsal``: run every section on CPU at toy sizes (for the CPU tests: it exercises the code
     the GPU machine will run, without a GPU)."""
     cuda = torch.cuda.is_available()
-    return {"out_dir": out_dir.resolve(), "cuda": cuda, "rehearsal": rehearsal,
-            "device": "cuda" if cuda and not rehearsal else "cpu",
-            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "modules_at_start": set(sys.modules) if modules_at_start is None else set(modules_at_start)}
+    return {
+        "out_dir": out_dir.resolve(),
+        "cuda": cuda,
+        "rehearsal": rehearsal,
+        "device": "cuda" if cuda and not rehearsal else "cpu",
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "modules_at_start": set(sys.modules) if modules_at_start is None else set(modules_at_start),
+    }
 
 
 def _version(name: str) -> str:
@@ -46,12 +70,21 @@ def _version(name: str) -> str:
 
 
 def environment(context: dict) -> Dict:
-    info = {"python": platform.python_version(), "torch": torch.__version__, "cuda_available": context["cuda"],
-            "torch_cuda": torch.version.cuda, "packages": {name: _version(name) for name in CHECKED_PACKAGES}}
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_available": context["cuda"],
+        "torch_cuda": torch.version.cuda,
+        "packages": {name: _version(name) for name in CHECKED_PACKAGES},
+    }
     if context["cuda"]:
         props = torch.cuda.get_device_properties(0)
-        info.update(device=props.name, device_count=torch.cuda.device_count(),
-                    capability=f"{props.major}.{props.minor}", memory_gib=round(props.total_memory / 2**30, 1))
+        info.update(
+            device=props.name,
+            device_count=torch.cuda.device_count(),
+            capability=f"{props.major}.{props.minor}",
+            memory_gib=round(props.total_memory / 2**30, 1),
+        )
     device = info.get("device", "no CUDA device")
     info["summary"] = f"{device}; torch {torch.__version__}; triton {info['packages']['triton']}"
     return info
@@ -59,18 +92,25 @@ def environment(context: dict) -> Dict:
 
 def kernel_checks(context: dict) -> Dict:
     from dynmoe_dist.kernels import checks, select
+
     if not select.triton_available():
         raise Skip("triton is not installed")
     if context["device"] != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise Skip("Triton runs on CPU only under TRITON_INTERPRET=1")
     from dynmoe_dist.kernels import permute_triton
+
     # float64 on CPU only: on CUDA every dtype is another set of Triton compilations (about a second
     # each), and the float64 path matters for the CPU references, not for training.
     dtypes = [torch.float32, torch.bfloat16] + ([torch.float64] if context["device"] != "cuda" else [])
     results = checks.check_all(permute_triton, context["device"], dtypes)
     failed = [f"{r['kernel']} {r['case']} {r['dtype']}" for r in results if not r["passed"]]
-    return {"passed": not failed, "results": results, "failed": failed, "selected_on_cuda": select.kernel_mode(),
-            "summary": f"{len(results) - len(failed)}/{len(results)} kernel cases match the torch reference"}
+    return {
+        "passed": not failed,
+        "results": results,
+        "failed": failed,
+        "selected_on_cuda": select.kernel_mode(),
+        "summary": f"{len(results) - len(failed)}/{len(results)} kernel cases match the torch reference",
+    }
 
 
 def hf_smollm2(context: dict) -> Dict:
@@ -78,8 +118,10 @@ def hf_smollm2(context: dict) -> Dict:
         raise Skip("needs the HF issue: dynmoe_dist.models.hf (upcycled SmolLM2) does not exist yet")
     bench = importlib.util.find_spec("dynmoe_dist.bench.hf")
     if bench is None or not hasattr(importlib.import_module("dynmoe_dist.bench.hf"), "gpu_step_tokens_per_s"):
-        raise Skip("dynmoe_dist.models.hf exists but dynmoe_dist.bench.hf.gpu_step_tokens_per_s(context) does "
-                   "not: the HF issue provides the upcycled SmolLM2 training step to time")
+        raise Skip(
+            "dynmoe_dist.models.hf exists but dynmoe_dist.bench.hf.gpu_step_tokens_per_s(context) does "
+            "not: the HF issue provides the upcycled SmolLM2 training step to time"
+        )
     result = importlib.import_module("dynmoe_dist.bench.hf").gpu_step_tokens_per_s(context)
     result.setdefault("summary", f"{result.get('tokens_per_s', '?')} tokens/s")
     return result
@@ -123,25 +165,53 @@ def import_set(context: dict) -> Dict:
     ours = top(set(sys.modules) - context["modules_at_start"]) - stdlib - ALLOWED_IMPORTS
     torch_own = (top(context["modules_at_start"]) - stdlib) | torch_requirements()
     unexpected = sorted(ours - torch_own)
-    return {"passed": not unexpected, "unexpected": unexpected, "allowed": sorted(ALLOWED_IMPORTS),
-            "summary": "only allowed packages imported" if not unexpected else f"unexpected imports: {unexpected}"}
+    return {
+        "passed": not unexpected,
+        "unexpected": unexpected,
+        "allowed": sorted(ALLOWED_IMPORTS),
+        "summary": "only allowed packages imported" if not unexpected else f"unexpected imports: {unexpected}",
+    }
 
 
 SECTIONS = (
     Section("environment", environment, cap_s=20, needs_cuda=False, what="versions, device, packages present"),
-    Section("triton_kernels", kernel_checks, cap_s=90,
-            what="every Triton kernel vs its torch reference, forward and backward, fp32/bf16 (+fp64 on CPU)"),
-    Section("layer_correctness", gpu_layer.layer_correctness, cap_s=60,
-            what="MoELayer fwd+bwd on CUDA (top_any/top_k/top_p, k=0 tokens, empty experts) vs CPU float64"),
-    Section("grouped_mm_vs_loop", gpu_layer.grouped_vs_loop, cap_s=30,
-            what="torch._grouped_mm expert path vs the per-expert loop"),
-    Section("trainer", gpu_train.trainer_runs, cap_s=150,
-            what="demo + quick-start on CUDA/NCCL, adaptive event, checkpoint and resume"),
-    Section("host_syncs", gpu_train.host_syncs, cap_s=45,
-            what="CUDA syncs of one training step vs the budget"),
-    Section("throughput", gpu_layer.throughput, cap_s=120,
-            what="bf16 MoE layer vs dense FFN (same active parameters), top-any vs top-k, D=2048 F=5632 T=16k"),
+    Section(
+        "triton_kernels",
+        kernel_checks,
+        cap_s=90,
+        what="every Triton kernel vs its torch reference, forward and backward, fp32/bf16 (+fp64 on CPU)",
+    ),
+    Section(
+        "layer_correctness",
+        gpu_layer.layer_correctness,
+        cap_s=60,
+        what="MoELayer fwd+bwd on CUDA (top_any/top_k/top_p, k=0 tokens, empty experts) vs CPU float64",
+    ),
+    Section(
+        "grouped_mm_vs_loop",
+        gpu_layer.grouped_vs_loop,
+        cap_s=30,
+        what="torch._grouped_mm expert path vs the per-expert loop",
+    ),
+    Section(
+        "trainer",
+        gpu_train.trainer_runs,
+        cap_s=150,
+        what="demo + quick-start on CUDA/NCCL, adaptive event, checkpoint and resume",
+    ),
+    Section("host_syncs", gpu_train.host_syncs, cap_s=45, what="CUDA syncs of one training step vs the budget"),
+    Section(
+        "throughput",
+        gpu_layer.throughput,
+        cap_s=120,
+        what="bf16 MoE layer vs dense FFN (same active parameters), top-any vs top-k, D=2048 F=5632 T=16k",
+    ),
     Section("hf_smollm2", hf_smollm2, cap_s=60, what="upcycled SmolLM2 training step tokens/s"),
-    Section("import_set", import_set, cap_s=10, needs_cuda=False,
-            what="nothing imported beyond torch, triton, numpy, the HF stack, tensorboard, matplotlib"),
+    Section(
+        "import_set",
+        import_set,
+        cap_s=10,
+        needs_cuda=False,
+        what="nothing imported beyond torch, triton, numpy, the HF stack, tensorboard, matplotlib",
+    ),
 )

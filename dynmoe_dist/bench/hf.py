@@ -54,19 +54,28 @@ class LlamaShape(TypedDict):
     max_position_embeddings: int
 
 
-SMOLLM2 = LlamaShape(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-                     vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048)
-MIB = 2 ** 20
+SMOLLM2 = LlamaShape(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+)
+MIB = 2**20
 
 
 def dense_llama(num_layers: int) -> nn.Module:
     import transformers as tf
+
     torch.manual_seed(0)
     return tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=num_layers, **SMOLLM2)).train()
 
 
 def upcycled(dense: nn.Module, blocks: List[int], num_experts: int) -> nn.Module:
     from ..models.hf import upcycle_hf
+
     torch.manual_seed(1)  # the routers' initialisation
     moe = MoEConfig(num_experts=num_experts, router="top_k", top_k=1, aux_loss_weight=0.01)
     return upcycle_hf(copy.deepcopy(dense), moe, layers=blocks)
@@ -100,6 +109,7 @@ class Case:
         from ..parallel.expert_parallel import parallelize
         from ..parallel.grads import GradSync
         from ..train.optim import build_optimizer
+
         self.model = HFCausalLM(hf_model)
         self.groups = build_groups(ep_size)
         self.shards = parallelize(self.model, self.groups)
@@ -119,6 +129,7 @@ class Case:
 def rank_case(spec: Dict) -> Dict:
     """One rank: build both models, alternate their steps, report times and memory."""
     from ..models.hf.loading import input_embeddings
+
     torch.set_num_threads(1)
     args = SimpleNamespace(**spec)
     dense = dense_llama(args.num_layers)
@@ -129,8 +140,12 @@ def rank_case(spec: Dict) -> Dict:
         for model in (dense, moe):
             input_embeddings(model).weight.requires_grad_(False)
     rank = torch.distributed.get_rank()
-    tokens = torch.randint(0, SMOLLM2["vocab_size"], (args.batch_per_rank, args.seq_len + 1),
-                           generator=torch.Generator().manual_seed(100 + rank))
+    tokens = torch.randint(
+        0,
+        SMOLLM2["vocab_size"],
+        (args.batch_per_rank, args.seq_len + 1),
+        generator=torch.Generator().manual_seed(100 + rank),
+    )
     cases = {"dense": Case(dense, 1, tokens), "moe": Case(moe, 2, tokens)}
     peaks = {}
     for name, case in cases.items():
@@ -143,8 +158,13 @@ def rank_case(spec: Dict) -> Dict:
             started = time.perf_counter()
             case.step()
             times[name].append(time.perf_counter() - started)
-    return {"rank": rank, "active_parameters": active, "step_s": times, "step_peak_rss_mib": peaks,
-            "state_mib": {name: state_mib(case.model, case.optimizer) for name, case in cases.items()}}
+    return {
+        "rank": rank,
+        "active_parameters": active,
+        "step_s": times,
+        "step_peak_rss_mib": peaks,
+        "state_mib": {name: state_mib(case.model, case.optimizer) for name, case in cases.items()},
+    }
 
 
 def summarize(per_rank: List[Dict]) -> Dict:
@@ -153,11 +173,13 @@ def summarize(per_rank: List[Dict]) -> Dict:
     for name in ("dense", "moe"):
         slowest = [max(steps) for steps in zip(*(r["step_s"][name] for r in per_rank))]
         peaks = [r["step_peak_rss_mib"][name] for r in per_rank]
-        out["cases"][name] = {"step_s_median": round(statistics.median(slowest), 4),
-                              "step_s_min": round(min(slowest), 4),
-                              "state_mib_per_rank": max(r["state_mib"][name] for r in per_rank),
-                              "step_peak_rss_mib_per_rank": None if None in peaks else max(peaks),
-                              "active_parameters": per_rank[0]["active_parameters"][name]}
+        out["cases"][name] = {
+            "step_s_median": round(statistics.median(slowest), 4),
+            "step_s_min": round(min(slowest), 4),
+            "state_mib_per_rank": max(r["state_mib"][name] for r in per_rank),
+            "step_peak_rss_mib_per_rank": None if None in peaks else max(peaks),
+            "active_parameters": per_rank[0]["active_parameters"][name],
+        }
     ratio = out["cases"]["moe"]["step_s_median"] / out["cases"]["dense"]["step_s_median"]
     active = out["cases"]["moe"]["active_parameters"] / out["cases"]["dense"]["active_parameters"]
     out["moe_over_dense_step_time"] = round(ratio, 3)
@@ -167,8 +189,9 @@ def summarize(per_rank: List[Dict]) -> Dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dynmoe_dist.bench hf", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m dynmoe_dist.bench hf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--num-layers", type=int, default=4, help="LLaMA blocks (SmolLM2-135M has 30)")
     p.add_argument("--moe-blocks", type=int, nargs="+", default=None, help="upcycled blocks (default: all)")
     p.add_argument("--num-experts", type=int, default=4, help="experts per MoE block (2 per rank)")
@@ -196,13 +219,31 @@ def main(argv=None) -> None:
         check(args)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
-    spec = {k: getattr(args, k) for k in ("num_layers", "moe_blocks", "num_experts", "seq_len", "batch_per_rank",
-                                          "steps", "train_embedding")}
-    per_rank = run_simulated(rank_case, 2, args=(spec,), timeout_s=args.timeout_s,
-                             env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"})
-    print(json.dumps({"benchmark": "hf", "targets": TARGETS, **summarize(per_rank), "world": 2,
-                      "model": {**SMOLLM2, "num_hidden_layers": args.num_layers, "router": "top_k", "top_k": 1},
-                      "config": vars(args), "machine": machine_info(1)}, indent=1))
+    spec = {
+        k: getattr(args, k)
+        for k in ("num_layers", "moe_blocks", "num_experts", "seq_len", "batch_per_rank", "steps", "train_embedding")
+    }
+    per_rank = run_simulated(
+        rank_case,
+        2,
+        args=(spec,),
+        timeout_s=args.timeout_s,
+        env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"},
+    )
+    print(
+        json.dumps(
+            {
+                "benchmark": "hf",
+                "targets": TARGETS,
+                **summarize(per_rank),
+                "world": 2,
+                "model": {**SMOLLM2, "num_hidden_layers": args.num_layers, "router": "top_k", "top_k": 1},
+                "config": vars(args),
+                "machine": machine_info(1),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -87,7 +87,8 @@ class HostReadCounter:
         self._wrap(torch, "masked_select")
         self._wrap(torch.Tensor, "masked_select")
         unsized = lambda _input, repeats=None, *a, output_size=None, **k: (  # noqa: E731
-            isinstance(repeats, torch.Tensor) and output_size is None)
+            isinstance(repeats, torch.Tensor) and output_size is None
+        )
         self._wrap(torch, "repeat_interleave", unsized)
         self._wrap(torch.Tensor, "repeat_interleave", unsized)
         self._wrap(torch.Tensor, "__getitem__", lambda _self, index: _is_bool_index(index))

@@ -25,8 +25,7 @@ from dynmoe_dist.bench import measure
 from dynmoe_dist.bench.dense_dispatch import dense_dispatch_bytes
 from dynmoe_dist.bench.layer_cases import CaseSpec, build_case, check_reference, peak_memory_mb
 
-HEADLINE_CASES = ("top_any", "top_k", "dense_limit", "dense_dispatch", "top_any_grouped_mm",
-                  "top_k_grouped_mm")
+HEADLINE_CASES = ("top_any", "top_k", "dense_limit", "dense_dispatch", "top_any_grouped_mm", "top_k_grouped_mm")
 MEMORY_CASES = ("top_any", "top_k", "dense_limit", "dense_dispatch")
 SCALING_CASES = ("top_any", "dense_limit", "dense_dispatch")
 TARGETS = {
@@ -40,8 +39,11 @@ DISPATCH_MEMORY_SHARE = 0.5
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m dynmoe_dist.bench layer", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m dynmoe_dist.bench layer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--tokens", type=int, default=4096, help="T, tokens per step")
     parser.add_argument("--dim", type=int, default=256, help="D, model dimension")
     parser.add_argument("--ffn-dim", type=int, default=512, help="F, expert hidden dimension")
@@ -50,11 +52,18 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--repeats", type=int, default=7, help="timed rounds at the headline shape")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds before timing")
-    parser.add_argument("--scaling", default="512,1024,2048,4096,8192",
-                        help="comma-separated T values for the scaling table ('' skips it)")
+    parser.add_argument(
+        "--scaling",
+        default="512,1024,2048,4096,8192",
+        help="comma-separated T values for the scaling table ('' skips it)",
+    )
     parser.add_argument("--scaling-repeats", type=int, default=3, help="timed rounds per scaling row")
-    parser.add_argument("--dispatch-max-tokens", type=int, default=8192,
-                        help="largest T at which the dense dispatch runs (it grows with T squared)")
+    parser.add_argument(
+        "--dispatch-max-tokens",
+        type=int,
+        default=8192,
+        help="largest T at which the dense dispatch runs (it grows with T squared)",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the per-case memory processes")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -64,8 +73,16 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
 
 
 def base_spec(args: argparse.Namespace, case: str, tokens: int) -> CaseSpec:
-    return CaseSpec(case=case, tokens=tokens, dim=args.dim, ffn_dim=args.ffn_dim, num_experts=args.experts,
-                    k=args.k, seed=args.seed, threads=args.threads)
+    return CaseSpec(
+        case=case,
+        tokens=tokens,
+        dim=args.dim,
+        ffn_dim=args.ffn_dim,
+        num_experts=args.experts,
+        k=args.k,
+        seed=args.seed,
+        threads=args.threads,
+    )
 
 
 # -- the headline shape -------------------------------------------------------------------------------
@@ -145,8 +162,10 @@ def run_scaling(args: argparse.Namespace, token_counts: List[int]) -> dict:
         "repeats": args.scaling_repeats,
         "rows": rows,
         "growth_exponent_last_doubling": _growth(rows),
-        "dense_dispatch_cap": (f"runs while T <= {args.dispatch_max_tokens} and its T x E x C tensors fit in "
-                               f"{DISPATCH_MEMORY_SHARE:.0%} of available memory; larger T is skipped"),
+        "dense_dispatch_cap": (
+            f"runs while T <= {args.dispatch_max_tokens} and its T x E x C tensors fit in "
+            f"{DISPATCH_MEMORY_SHARE:.0%} of available memory; larger T is skipped"
+        ),
     }
 
 
@@ -188,9 +207,11 @@ def _growth(rows: List[dict]) -> Dict[str, dict]:
             continue
         before, last = measured[-2], measured[-1]
         doublings = math.log2(last["tokens"] / before["tokens"])
-        growth[name] = {field: round(math.log2(last[name][field] / before[name][field]) / doublings, 2)
-                        for field in ("ms_min", "peak_mb")
-                        if last[name].get(field) and before[name].get(field)}
+        growth[name] = {
+            field: round(math.log2(last[name][field] / before[name][field]) / doublings, 2)
+            for field in ("ms_min", "peak_mb")
+            if last[name].get(field) and before[name].get(field)
+        }
     return growth
 
 
@@ -202,15 +223,22 @@ def main(argv: Optional[List[str]] = None) -> dict:
         "benchmark": "layer",
         "command": " ".join(["python -m dynmoe_dist.bench layer", *map(shlex.quote, argv or [])]),
         "machine": measure.machine_info(args.threads),
-        "shape": {"tokens": args.tokens, "dim": args.dim, "ffn_dim": args.ffn_dim,
-                  "num_experts": args.experts, "k": args.k},
-        "timing_method": (f"forward+backward of one training step (fixed output gradient, aux loss "
-                          f"included, grads reset to None each step); cases timed round-robin, "
-                          f"{args.warmup} warm-up rounds then {args.repeats} timed; ms_min and ms_median "
-                          f"over the rounds; ratios use ms_min"),
+        "shape": {
+            "tokens": args.tokens,
+            "dim": args.dim,
+            "ffn_dim": args.ffn_dim,
+            "num_experts": args.experts,
+            "k": args.k,
+        },
+        "timing_method": (
+            f"forward+backward of one training step (fixed output gradient, aux loss "
+            f"included, grads reset to None each step); cases timed round-robin, "
+            f"{args.warmup} warm-up rounds then {args.repeats} timed; ms_min and ms_median "
+            f"over the rounds; ratios use ms_min"
+        ),
         "memory_method": measure.MEMORY_METHOD if measure.memory_supported() else "unsupported here",
         "calibration": "top_any: bisection on one threshold shared by all experts until the router "
-                       "selects round(k T) pairs; mean_k is what it achieved",
+        "selects round(k T) pairs; mean_k is what it achieved",
         "reference_check": check_reference(base_spec(args, "dense_dispatch", args.tokens)),
     }
     cases = run_headline(args)

@@ -56,8 +56,14 @@ class CaseSpec:
 # -- building the cases ---------------------------------------------------------------------------
 def build_layer(spec: CaseSpec, router: str, expert_compute: str = "auto") -> MoELayer:
     """An MoELayer in training mode whose experts depend on the seed only, not on the router type."""
-    config = MoEConfig(dim=spec.dim, ffn_dim=spec.ffn_dim, num_experts=spec.num_experts, router=router,
-                       top_k=spec.k, expert_compute=expert_compute)
+    config = MoEConfig(
+        dim=spec.dim,
+        ffn_dim=spec.ffn_dim,
+        num_experts=spec.num_experts,
+        router=router,
+        top_k=spec.k,
+        expert_compute=expert_compute,
+    )
     torch.manual_seed(spec.seed)
     experts = ExpertBank.fresh(config, spec.num_experts)
     torch.manual_seed(spec.seed + 1)
@@ -195,8 +201,9 @@ def memory_child(spec_dict: dict) -> None:
     num_rows = spec_dict.pop("rows", None)
     spec = CaseSpec(**spec_dict)
     torch.set_num_threads(spec.threads)
-    tiny_step, _ = build_case(replace(spec, tokens=MEMORY_WARMUP_TOKENS),
-                              None if num_rows is None else MEMORY_WARMUP_TOKENS * spec.k)
+    tiny_step, _ = build_case(
+        replace(spec, tokens=MEMORY_WARMUP_TOKENS), None if num_rows is None else MEMORY_WARMUP_TOKENS * spec.k
+    )
     tiny_step()
     tiny_step()
     step, _ = build_case(spec, num_rows)
@@ -219,6 +226,7 @@ def peak_memory_mb(spec: CaseSpec, num_rows: Optional[int] = None) -> Optional[f
     if not measure.memory_supported():
         return None
     payload = {**asdict(spec), **({"rows": num_rows} if num_rows is not None else {})}
-    result = measure.run_in_fresh_process("dynmoe_dist.bench.layer_cases:memory_child", payload,
-                                          extra_env=measure.MEMORY_PROCESS_ENV)
+    result = measure.run_in_fresh_process(
+        "dynmoe_dist.bench.layer_cases:memory_child", payload, extra_env=measure.MEMORY_PROCESS_ENV
+    )
     return result["peak_mb"]

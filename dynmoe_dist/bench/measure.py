@@ -85,8 +85,9 @@ def peak_rss_above_baseline_mb(step: Step) -> float:
     return round((_status_kib("VmHWM") - baseline_kib) / 1024, 2)
 
 
-def run_in_fresh_process(entry: str, spec: dict, *, extra_env: Optional[Dict[str, str]] = None,
-                         timeout_s: float = 900) -> dict:
+def run_in_fresh_process(
+    entry: str, spec: dict, *, extra_env: Optional[Dict[str, str]] = None, timeout_s: float = 900
+) -> dict:
     """Call ``entry`` ('package.module:function') with ``spec`` in a new interpreter; the function
     prints one JSON object on its last stdout line, which is returned."""
     module, function = entry.split(":")
@@ -94,8 +95,9 @@ def run_in_fresh_process(entry: str, spec: dict, *, extra_env: Optional[Dict[str
     env = {**os.environ, **(extra_env or {})}
     package_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env=env, capture_output=True,
-                          text=True, timeout=timeout_s)
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(spec)], env=env, capture_output=True, text=True, timeout=timeout_s
+    )
     if done.returncode != 0:
         raise RuntimeError(f"{entry} failed ({done.returncode}) for {spec}:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -31,17 +31,19 @@ from ..parallel.simulate import run_simulated
 from .measure import machine_info, memory_supported, peak_rss_above_baseline_mb
 
 TARGETS = {"dense_state_per_rank_x_world": 1.1, "fsdp_step_time_ratio": 1.25}
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def _shape(args) -> SimpleNamespace:
     moe_layers = [args.num_layers - 2, args.num_layers - 1]
-    return SimpleNamespace(dim=576, num_heads=9, num_layers=args.num_layers, ffn_dim=1536, dropout=0.0,
-                           moe_layers=moe_layers, patch_size=1)
+    return SimpleNamespace(
+        dim=576, num_heads=9, num_layers=args.num_layers, ffn_dim=1536, dropout=0.0, moe_layers=moe_layers, patch_size=1
+    )
 
 
 def _bytes(tensors) -> float:
     from ..parallel.fsdp import local
+
     return sum(local(t).numel() * t.element_size() for t in tensors) / MIB
 
 
@@ -57,12 +59,14 @@ def rank_case(spec: Dict) -> Dict:
     from ..parallel.grads import GradSync
     from ..parallel.reshard import dense_named_parameters
     from ..train.optim import build_optimizer
+
     torch.set_num_threads(1)
     groups = build_groups(0)
     torch.manual_seed(0)
     args = SimpleNamespace(**spec)
-    model = CausalLM(_shape(args), MoEConfig(num_experts=2 * groups.world_size, aux_loss_weight=0.01), 49152,
-                     args.seq_len)
+    model = CausalLM(
+        _shape(args), MoEConfig(num_experts=2 * groups.world_size, aux_loss_weight=0.01), 49152, args.seq_len
+    )
     shards = parallelize(model, groups)
     parallel = SimpleNamespace(dense_sharding=args.dense, expert_sharding="replicate")
     sharding = plan_sharding(parallel, groups, bf16=False)
@@ -82,7 +86,10 @@ def rank_case(spec: Dict) -> Dict:
     step()  # optimizer state exists from here on
     dense = [p for _, p in dense_named_parameters(model, shards)]
     experts = [p for shard in shards for p in shard.layer.experts.parameters()]
-    grads = _bytes([p.grad for p in dense if p.grad is not None]), _bytes([p.grad for p in experts if p.grad is not None])
+    grads = (
+        _bytes([p.grad for p in dense if p.grad is not None]),
+        _bytes([p.grad for p in experts if p.grad is not None]),
+    )
     optimizer.zero_grad(set_to_none=True)
     peak = peak_rss_above_baseline_mb(step) if memory_supported() else None
     times = []
@@ -92,24 +99,39 @@ def rank_case(spec: Dict) -> Dict:
         started = time.perf_counter()
         step()
         times.append(time.perf_counter() - started)
-    return {"rank": groups.rank, "dense_parameters_mib": _bytes(dense), "expert_parameters_mib": _bytes(experts),
-            "dense_gradients_mib": grads[0], "expert_gradients_mib": grads[1],
-            "dense_optimizer_state_mib": _bytes(_state_tensors(optimizer, dense)),
-            "expert_optimizer_state_mib": _bytes(_state_tensors(optimizer, experts)),
-            "step_peak_rss_mib": peak, "step_s": times}
+    return {
+        "rank": groups.rank,
+        "dense_parameters_mib": _bytes(dense),
+        "expert_parameters_mib": _bytes(experts),
+        "dense_gradients_mib": grads[0],
+        "expert_gradients_mib": grads[1],
+        "dense_optimizer_state_mib": _bytes(_state_tensors(optimizer, dense)),
+        "expert_optimizer_state_mib": _bytes(_state_tensors(optimizer, experts)),
+        "step_peak_rss_mib": peak,
+        "step_s": times,
+    }
 
 
 def run_case(world: int, dense: str, args) -> Dict:
-    spec = {"dense": dense, "num_layers": args.num_layers, "seq_len": args.seq_len,
-            "batch_per_rank": args.batch_per_rank, "steps": args.steps}
+    spec = {
+        "dense": dense,
+        "num_layers": args.num_layers,
+        "seq_len": args.seq_len,
+        "batch_per_rank": args.batch_per_rank,
+        "steps": args.steps,
+    }
     per_rank = run_simulated(rank_case, world, args=(spec,), timeout_s=args.timeout_s)
     slowest = [max(steps) for steps in zip(*(r["step_s"] for r in per_rank))]
     keys = [k for k in per_rank[0] if k.endswith("_mib")]
     worst = {k: max(r[k] for r in per_rank) if per_rank[0][k] is not None else None for k in keys}
     dense_state = max(r["dense_parameters_mib"] + r["dense_optimizer_state_mib"] for r in per_rank)
-    return {"world": world, "dense_sharding": dense, "step_s_median": statistics.median(slowest),
-            "per_rank_max": {k: round(v, 2) if v is not None else None for k, v in worst.items()},
-            "dense_state_mib": round(dense_state, 2)}
+    return {
+        "world": world,
+        "dense_sharding": dense,
+        "step_s_median": statistics.median(slowest),
+        "per_rank_max": {k: round(v, 2) if v is not None else None for k, v in worst.items()},
+        "dense_state_mib": round(dense_state, 2),
+    }
 
 
 def compare(cases: List[Dict]) -> List[Dict]:
@@ -120,17 +142,25 @@ def compare(cases: List[Dict]) -> List[Dict]:
         fsdp = next(c for c in cases if c["world"] == world and c["dense_sharding"] == "fsdp")
         state_ratio = fsdp["dense_state_mib"] / rep["dense_state_mib"]
         time_ratio = fsdp["step_s_median"] / rep["step_s_median"]
-        out.append({"world": world, "dense_state_fsdp_over_replicate": round(state_ratio, 4),
-                    "dense_state_x_world": round(state_ratio * world, 3),
-                    "meets_state_target": state_ratio * world <= TARGETS["dense_state_per_rank_x_world"],
-                    "step_time_fsdp_over_replicate": round(time_ratio, 3),
-                    "meets_time_target": time_ratio <= TARGETS["fsdp_step_time_ratio"]})
+        out.append(
+            {
+                "world": world,
+                "dense_state_fsdp_over_replicate": round(state_ratio, 4),
+                "dense_state_x_world": round(state_ratio * world, 3),
+                "meets_state_target": state_ratio * world <= TARGETS["dense_state_per_rank_x_world"],
+                "step_time_fsdp_over_replicate": round(time_ratio, 3),
+                "meets_time_target": time_ratio <= TARGETS["fsdp_step_time_ratio"],
+            }
+        )
     return out
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dynmoe_dist.bench memory", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m dynmoe_dist.bench memory",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     p.add_argument("--num-layers", type=int, default=6, help="blocks (SmolLM2 has 30; the last two are MoE)")
     p.add_argument("--seq-len", type=int, default=65)
@@ -145,5 +175,16 @@ def main(argv=None) -> None:
     if args.num_layers < 2:
         raise SystemExit(f"--num-layers ({args.num_layers}) must be >= 2: the last two blocks are MoE")
     cases = [run_case(world, dense, args) for world in args.worlds for dense in ("replicate", "fsdp")]
-    print(json.dumps({"benchmark": "memory", "targets": TARGETS, "cases": cases, "comparison": compare(cases),
-                      "config": vars(args), "machine": machine_info(1)}, indent=1))
+    print(
+        json.dumps(
+            {
+                "benchmark": "memory",
+                "targets": TARGETS,
+                "cases": cases,
+                "comparison": compare(cases),
+                "config": vars(args),
+                "machine": machine_info(1),
+            },
+            indent=1,
+        )
+    )

@@ -46,8 +46,9 @@ def _side_times(bytes_WW: np.ndarray, net: Network) -> np.ndarray:
     intra_W = (off_WW * same_node_WW).sum(axis=1)
     inter_W = (off_WW * ~same_node_WW).sum(axis=1)
     peers_W = (off_WW > 0).sum(axis=1)
-    return net.alpha_s * peers_W + np.maximum(intra_W / net.intra_node_bytes_per_s,
-                                              inter_W / net.inter_node_bytes_per_s)
+    return net.alpha_s * peers_W + np.maximum(
+        intra_W / net.intra_node_bytes_per_s, inter_W / net.inter_node_bytes_per_s
+    )
 
 
 def all_to_all_time(send_WW: np.ndarray, net: Network) -> Dict:
@@ -57,9 +58,12 @@ def all_to_all_time(send_WW: np.ndarray, net: Network) -> Dict:
         raise ValueError(f"send matrix shape ({send_WW.shape}) must be (W, W)")
     off_WW = send_WW * (1 - np.eye(send_WW.shape[0]))
     send_t, recv_t = _side_times(send_WW, net), _side_times(send_WW.T, net)
-    return {"time_s": float(max(send_t.max(), recv_t.max())),
-            "max_send_bytes": float(off_WW.sum(axis=1).max()), "max_recv_bytes": float(off_WW.sum(axis=0).max()),
-            "mean_send_bytes": float(off_WW.sum(axis=1).mean())}
+    return {
+        "time_s": float(max(send_t.max(), recv_t.max())),
+        "max_send_bytes": float(off_WW.sum(axis=1).max()),
+        "max_recv_bytes": float(off_WW.sum(axis=0).max()),
+        "mean_send_bytes": float(off_WW.sum(axis=1).mean()),
+    }
 
 
 def rows_to_ranks(shares_E: Sequence[float], replicas: Sequence[Sequence[int]], num_ranks: int) -> np.ndarray:
@@ -72,8 +76,9 @@ def rows_to_ranks(shares_E: Sequence[float], replicas: Sequence[Sequence[int]], 
     return to_W
 
 
-def send_matrix(shares_E: Sequence[float], replicas: Sequence[Sequence[int]], num_ranks: int,
-                rows_per_rank: float, row_bytes: float) -> np.ndarray:
+def send_matrix(
+    shares_E: Sequence[float], replicas: Sequence[Sequence[int]], num_ranks: int, rows_per_rank: float, row_bytes: float
+) -> np.ndarray:
     """send_WW[s, d] for ranks that all route like the recorded totals (the same shares everywhere)."""
     to_W = rows_to_ranks(shares_E, replicas, num_ranks)
     return np.tile(to_W * rows_per_rank * row_bytes, (num_ranks, 1))

@@ -33,9 +33,9 @@ import numpy as np
 import torch
 
 from dynmoe_dist.bench import netmodel
-from dynmoe_dist.planning.placement import Placement
 from dynmoe_dist.config import AdaptiveConfig
 from dynmoe_dist.moe.config import MoEConfig
+from dynmoe_dist.planning.placement import Placement
 from dynmoe_dist.planning.planner import PlannerConfig, plan_layer
 from dynmoe_dist.planning.stats import WindowStats
 
@@ -82,11 +82,16 @@ def extract_recorded(run_dir: Path, out: Path = DATA) -> Dict:
     steps = [r for r in records if r["kind"] == "step" and r["step"] > last_event]
     if not steps:
         raise ValueError(f"--extract-from ({run_dir}) has no step records after step {last_event}")
-    layers = [list(map(int, np.sum([s["expert_load"][i] for s in steps], axis=0)))
-              for i in range(len(steps[0]["expert_load"]))]
-    data = {"source": "launcher/torchrun.sh 2 --config launcher/configs/adaptive_demo.toml",
-            "steps": [steps[0]["step"], steps[-1]["step"]], "expert_load_per_layer": layers,
-            "note": "rows per expert summed over these steps and both ranks (metrics.jsonl expert_load)"}
+    layers = [
+        list(map(int, np.sum([s["expert_load"][i] for s in steps], axis=0)))
+        for i in range(len(steps[0]["expert_load"]))
+    ]
+    data = {
+        "source": "launcher/torchrun.sh 2 --config launcher/configs/adaptive_demo.toml",
+        "steps": [steps[0]["step"], steps[-1]["step"]],
+        "expert_load_per_layer": layers,
+        "note": "rows per expert summed over these steps and both ranks (metrics.jsonl expert_load)",
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data) + "\n")
     return data
@@ -113,10 +118,12 @@ def traffic(shares, placement: Placement, net: netmodel.Network) -> Dict:
     replicas = [placement.holders(e) for e in range(placement.num_experts)]
     send = netmodel.send_matrix(shares, replicas, placement.ep_size, rows_per_rank, DIM * BYTES_PER_ELEMENT)
     one = netmodel.all_to_all_time(send, net)
-    return {"all_to_all_ms": round(one["time_s"] * 1e3, 4),
-            "max_send_mb_per_step": round(one["max_send_bytes"] * EXCHANGES_PER_STEP / 2**20, 2),
-            "max_recv_mb_per_step": round(one["max_recv_bytes"] * EXCHANGES_PER_STEP / 2**20, 2),
-            "mean_send_mb_per_step": round(one["mean_send_bytes"] * EXCHANGES_PER_STEP / 2**20, 2)}
+    return {
+        "all_to_all_ms": round(one["time_s"] * 1e3, 4),
+        "max_send_mb_per_step": round(one["max_send_bytes"] * EXCHANGES_PER_STEP / 2**20, 2),
+        "max_recv_mb_per_step": round(one["max_recv_bytes"] * EXCHANGES_PER_STEP / 2**20, 2),
+        "mean_send_mb_per_step": round(one["mean_send_bytes"] * EXCHANGES_PER_STEP / 2**20, 2),
+    }
 
 
 def timed_plan(stats, placement, cfg, repeats: int):
@@ -131,8 +138,15 @@ def timed_plan(stats, placement, cfg, repeats: int):
     return result, statistics.median(walls), statistics.median(cpus)
 
 
-def run_case(ranks: int, shares: Sequence[float], profile: str, mapping: str, net: netmodel.Network,
-             repeats: int = 3, replicate_factor: float = 1.05) -> Dict:
+def run_case(
+    ranks: int,
+    shares: Sequence[float],
+    profile: str,
+    mapping: str,
+    net: netmodel.Network,
+    repeats: int = 3,
+    replicate_factor: float = 1.05,
+) -> Dict:
     num_experts = len(shares)
     ep = ep_size_for(ranks, num_experts, mapping)
     placement = Placement.default(num_experts, ep)
@@ -141,16 +155,25 @@ def run_case(ranks: int, shares: Sequence[float], profile: str, mapping: str, ne
     cfg = PlannerConfig(moe, AdaptiveConfig(replicate_factor=replicate_factor))
     planned, seconds, cpu_seconds = timed_plan(stats, placement, cfg, repeats)
     no_rep, _, _ = timed_plan(stats, placement, PlannerConfig(moe, AdaptiveConfig(max_replicas=1)), 1)
-    return {"ranks": ranks, "experts": num_experts, "profile": profile, "top_share": round(max(shares), 4),
-            "ep_size": ep, "dp_replicas": ranks // ep, "replicate_factor": replicate_factor,
-            "plan_s": round(seconds, 4), "plan_cpu_s": round(cpu_seconds, 4),
-            "imbalance_before": round(planned.imbalance_before, 4),
-            "imbalance_after_no_replication": round(no_rep.imbalance_after, 4),
-            "imbalance_after": round(planned.imbalance_after, 4), "experts_moved": planned.moves,
-            "replica_slots_added": planned.placement.num_slots - num_experts,
-            "traffic_initial": traffic(shares, placement, net),
-            "traffic_rebalanced_no_replication": traffic(shares, no_rep.placement, net),
-            "traffic_replicated": traffic(shares, planned.placement, net)}
+    return {
+        "ranks": ranks,
+        "experts": num_experts,
+        "profile": profile,
+        "top_share": round(max(shares), 4),
+        "ep_size": ep,
+        "dp_replicas": ranks // ep,
+        "replicate_factor": replicate_factor,
+        "plan_s": round(seconds, 4),
+        "plan_cpu_s": round(cpu_seconds, 4),
+        "imbalance_before": round(planned.imbalance_before, 4),
+        "imbalance_after_no_replication": round(no_rep.imbalance_after, 4),
+        "imbalance_after": round(planned.imbalance_after, 4),
+        "experts_moved": planned.moves,
+        "replica_slots_added": planned.placement.num_slots - num_experts,
+        "traffic_initial": traffic(shares, placement, net),
+        "traffic_rebalanced_no_replication": traffic(shares, no_rep.placement, net),
+        "traffic_replicated": traffic(shares, planned.placement, net),
+    }
 
 
 def profiles(num_experts: int, recorded: Optional[Dict]):
@@ -161,34 +184,62 @@ def profiles(num_experts: int, recorded: Optional[Dict]):
             yield f"recorded layer {layer}", resample(load, num_experts)
 
 
-def simulate(ranks_list=RANKS, experts_list=EXPERTS, mapping: str = "ep-le-experts", recorded=None,
-             net: Optional[netmodel.Network] = None, repeats: int = 3, factors=REPLICATE_FACTORS) -> Dict:
+def simulate(
+    ranks_list=RANKS,
+    experts_list=EXPERTS,
+    mapping: str = "ep-le-experts",
+    recorded=None,
+    net: Optional[netmodel.Network] = None,
+    repeats: int = 3,
+    factors=REPLICATE_FACTORS,
+) -> Dict:
     net = net if net is not None else netmodel.Network()
-    cases = [run_case(ranks, shares, name, mapping, net, repeats, factor) for factor in factors
-             for ranks in ranks_list for num_experts in experts_list
-             for name, shares in profiles(num_experts, recorded)]
+    cases = [
+        run_case(ranks, shares, name, mapping, net, repeats, factor)
+        for factor in factors
+        for ranks in ranks_list
+        for num_experts in experts_list
+        for name, shares in profiles(num_experts, recorded)
+    ]
     biggest = [c for c in cases if c["ranks"] == max(ranks_list) and c["experts"] == max(experts_list)]
     tight = [c for c in cases if c["replicate_factor"] == min(factors)]
-    return {"benchmark": "scale", "mapping": mapping, "network": net.to_dict(),
-            "traffic_model": {"tokens_per_rank": TOKENS_PER_RANK, "mean_k": MEAN_K, "dim": DIM,
-                              "bytes_per_element": BYTES_PER_ELEMENT, "exchanges_per_step": EXCHANGES_PER_STEP},
-            "targets": {"plan_s at the largest case": "<= 1.0", "imbalance_after": "<= 1.05"},
-            "targets_met": {"plan_s": all(c["plan_s"] <= 1.0 for c in biggest),
-                            f"imbalance_after (replicate_factor {min(factors)})":
-                                all(c["imbalance_after"] <= 1.05 for c in tight)},
-            "recorded_source": recorded.get("source") if recorded else None, "cases": cases}
+    return {
+        "benchmark": "scale",
+        "mapping": mapping,
+        "network": net.to_dict(),
+        "traffic_model": {
+            "tokens_per_rank": TOKENS_PER_RANK,
+            "mean_k": MEAN_K,
+            "dim": DIM,
+            "bytes_per_element": BYTES_PER_ELEMENT,
+            "exchanges_per_step": EXCHANGES_PER_STEP,
+        },
+        "targets": {"plan_s at the largest case": "<= 1.0", "imbalance_after": "<= 1.05"},
+        "targets_met": {
+            "plan_s": all(c["plan_s"] <= 1.0 for c in biggest),
+            f"imbalance_after (replicate_factor {min(factors)})": all(c["imbalance_after"] <= 1.05 for c in tight),
+        },
+        "recorded_source": recorded.get("source") if recorded else None,
+        "cases": cases,
+    }
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m dynmoe_dist.bench scale", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m dynmoe_dist.bench scale",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--ranks", default=",".join(map(str, RANKS)))
     parser.add_argument("--experts", default=",".join(map(str, EXPERTS)))
     parser.add_argument("--mapping", default="ep-le-experts", choices=("ep-le-experts", "all-ranks"))
     parser.add_argument("--alpha-us", type=float, default=10.0, help="latency per peer message, microseconds")
     parser.add_argument("--repeats", type=int, default=3, help="timed plan_layer calls per case (median)")
-    parser.add_argument("--replicate-factors", default=",".join(map(str, REPLICATE_FACTORS)),
-                        help="adaptive.replicate_factor values to plan with")
+    parser.add_argument(
+        "--replicate-factors",
+        default=",".join(map(str, REPLICATE_FACTORS)),
+        help="adaptive.replicate_factor values to plan with",
+    )
     parser.add_argument("--no-recorded", action="store_true", help="synthetic profiles only")
     parser.add_argument("--extract-from", default="", help="RUN_DIR: write the recorded-counts JSON and exit")
     parser.add_argument("--out", default="", help="also write the JSON here")
@@ -198,6 +249,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> Dict:
     import sys
+
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.extract_from:
         data = extract_recorded(Path(args.extract_from))
@@ -206,13 +258,21 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
     recorded = None if args.no_recorded else load_recorded()
     factors = [float(v) for v in args.replicate_factors.split(",") if v]
-    result = simulate(ints(args.ranks), ints(args.experts), args.mapping, recorded,
-                      netmodel.Network(alpha_s=args.alpha_us * 1e-6), args.repeats, factors)
+    result = simulate(
+        ints(args.ranks),
+        ints(args.experts),
+        args.mapping,
+        recorded,
+        netmodel.Network(alpha_s=args.alpha_us * 1e-6),
+        args.repeats,
+        factors,
+    )
     text = json.dumps(result, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")
     if args.plot:
         from dynmoe_dist.bench.scale_plot import plot
+
         plot(result, Path(args.plot))
     print(text)
     return result

@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, List
 
-PLACEMENTS = (("initial", "traffic_initial", "imbalance_before"),
-              ("rebalanced, no replicas", "traffic_rebalanced_no_replication", "imbalance_after_no_replication"),
-              ("planned with replicas", "traffic_replicated", "imbalance_after"))
+PLACEMENTS = (
+    ("initial", "traffic_initial", "imbalance_before"),
+    ("rebalanced, no replicas", "traffic_rebalanced_no_replication", "imbalance_after_no_replication"),
+    ("planned with replicas", "traffic_replicated", "imbalance_after"),
+)
 
 
 def _largest(cases: List[Dict], factor: float) -> List[Dict]:
@@ -17,6 +19,7 @@ def _largest(cases: List[Dict], factor: float) -> List[Dict]:
 
 def plot(result: Dict, path: Path) -> Path:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -26,12 +29,23 @@ def plot(result: Dict, path: Path) -> Path:
     for experts in sorted({c["experts"] for c in cases}):
         for f, style in ((factor, "-o"), (max(c["replicate_factor"] for c in cases), "--s")):
             rows = sorted({c["ranks"] for c in cases})
-            worst = [max(c["plan_cpu_s"] for c in cases if c["ranks"] == r and c["experts"] == experts
-                         and c["replicate_factor"] == f) for r in rows]
+            worst = [
+                max(
+                    c["plan_cpu_s"]
+                    for c in cases
+                    if c["ranks"] == r and c["experts"] == experts and c["replicate_factor"] == f
+                )
+                for r in rows
+            ]
             axes[0].plot(rows, worst, style, label=f"E={experts}, replicate_factor {f}")
     axes[0].axhline(1.0, color="grey", lw=0.8, ls=":")
-    axes[0].set(xscale="log", yscale="log", xlabel="ranks", ylabel="plan time per layer, CPU s (worst profile)",
-                title="planner time")
+    axes[0].set(
+        xscale="log",
+        yscale="log",
+        xlabel="ranks",
+        ylabel="plan time per layer, CPU s (worst profile)",
+        title="planner time",
+    )
     axes[0].legend(fontsize=7)
     largest = _largest(cases, factor)
     short = lambda name: name.replace("zipf+shared ", "zipf ").replace("recorded layer ", "rec. L")  # noqa: E731
@@ -41,8 +55,10 @@ def plot(result: Dict, path: Path) -> Path:
         xs = [j + (i - 1) * width for j in range(len(largest))]
         axes[1].bar(xs, [c[imbalance] for c in largest], width, label=name)
         axes[2].bar(xs, [c[traffic]["all_to_all_ms"] for c in largest], width, label=name)
-    for ax, ylabel, title in ((axes[1], "max / mean rank load", "rank load imbalance"),
-                              (axes[2], "ms per all-to-all (alpha-beta model)", "one dispatch exchange")):
+    for ax, ylabel, title in (
+        (axes[1], "max / mean rank load", "rank load imbalance"),
+        (axes[2], "ms per all-to-all (alpha-beta model)", "one dispatch exchange"),
+    ):
         ax.set_xticks(range(len(largest)), labels, fontsize=7)
         ax.set(yscale="log", ylabel=ylabel, title=f"{title}, {largest[0]['ranks']} ranks (factor {factor})")
         ax.legend(fontsize=7)

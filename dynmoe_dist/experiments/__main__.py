@@ -17,16 +17,19 @@ PROG = "python -m dynmoe_dist.experiments"
 
 def _compare(argv):
     from .compare import main
+
     main(argv, prog=f"{PROG} compare")
 
 
 def _losses(argv):
     from .losses import main
+
     main(argv, prog=f"{PROG} losses")
 
 
 def _baseline(argv):
     from .baseline import main
+
     main(argv, prog=f"{PROG} baseline")
 
 
@@ -39,8 +42,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(__doc__)
         return 0 if argv else 2
     if argv[0] not in SUBCOMMANDS:
-        print(f"{PROG}: error: unknown subcommand ({argv[0]!r}); choose from {', '.join(SUBCOMMANDS)}",
-              file=sys.stderr)
+        print(f"{PROG}: error: unknown subcommand ({argv[0]!r}); choose from {', '.join(SUBCOMMANDS)}", file=sys.stderr)
         return 2
     SUBCOMMANDS[argv[0]](argv[1:])
     return 0

@@ -29,8 +29,8 @@ def embed_split(model: BertClassifier, tensors, batch_size: int) -> np.ndarray:
     """L2-normalised mean-pooled embeddings (N, D), as sentence-transformers returns for this model."""
     outs = []
     for start in range(0, tensors["tokens_BL"].shape[0], batch_size):
-        tokens_BL = tensors["tokens_BL"][start:start + batch_size]
-        valid_BL = tensors["valid_BL"][start:start + batch_size]
+        tokens_BL = tensors["tokens_BL"][start : start + batch_size]
+        valid_BL = tensors["valid_BL"][start : start + batch_size]
         pooled_BD, _ = model.embed(tokens_BL, valid_BL)
         outs.append(F.normalize(pooled_BD, dim=-1))
     return torch.cat(outs).numpy()
@@ -40,8 +40,15 @@ def run(args) -> dict:
     from sklearn.linear_model import LogisticRegression
 
     started = time.perf_counter()
-    task = build_task(TaskConfig(name="minilm-sentiment", max_len=args.max_len, test_fraction=args.test_fraction,
-                                 seed=args.seed, num_samples=args.num_samples))
+    task = build_task(
+        TaskConfig(
+            name="minilm-sentiment",
+            max_len=args.max_len,
+            test_fraction=args.test_fraction,
+            seed=args.seed,
+            num_samples=args.num_samples,
+        )
+    )
     built = time.perf_counter()
     model = BertClassifier(load_bert(num_layers=args.num_layers), task.num_classes).eval()
     train_ND = embed_split(model, task.splits["train"], args.batch_size)
@@ -49,13 +56,19 @@ def run(args) -> dict:
     embedded = time.perf_counter()
     clf = LogisticRegression(C=args.C, max_iter=2000).fit(train_ND, task.splits["train"]["targets"].numpy())
     return {
-        "task": "minilm-sentiment", "max_len": args.max_len, "test_fraction": args.test_fraction,
-        "seed": args.seed, "num_layers": args.num_layers, "C": args.C,
-        "num_train": int(train_ND.shape[0]), "num_test": int(test_ND.shape[0]),
+        "task": "minilm-sentiment",
+        "max_len": args.max_len,
+        "test_fraction": args.test_fraction,
+        "seed": args.seed,
+        "num_layers": args.num_layers,
+        "C": args.C,
+        "num_train": int(train_ND.shape[0]),
+        "num_test": int(test_ND.shape[0]),
         "train_accuracy": float(clf.score(train_ND, task.splits["train"]["targets"].numpy())),
         "test_accuracy": float(clf.score(test_ND, task.splits["test"]["targets"].numpy())),
         "truncated_fraction": float(task.splits["train"]["valid_BL"][:, -1].float().mean()),
-        "task_build_s": round(built - started, 3), "embed_s": round(embedded - built, 3),
+        "task_build_s": round(built - started, 3),
+        "embed_s": round(embedded - built, 3),
         "fit_s": round(time.perf_counter() - embedded, 3),
     }
 

@@ -31,8 +31,16 @@ from ..train.telemetry import METRICS_FILE, read_metrics
 from .models import DEFAULT_MODELS, MODELS, ModelSpec
 from .probe import FIELDS, RoutingProbe, add_totals, routing_summary
 from .stats import expert_flops_per_token
-from .summary import (ModelRow, RunSummary, aggregate, markdown_table, paired_results, paired_table, skip_table,
-                      summarise_run)
+from .summary import (
+    ModelRow,
+    RunSummary,
+    aggregate,
+    markdown_table,
+    paired_results,
+    paired_table,
+    skip_table,
+    summarise_run,
+)
 
 CONFIG_FILE = "config.toml"
 ROUTING_FILE = "routing.json"
@@ -43,30 +51,63 @@ ROUTING_FILE = "routing.json"
 # lr: top-2 (seed 0, 10 epochs) reached 85.8 / 89.5 / 91.4 / 91.5 % at 0.001 / 0.002 / 0.004 / 0.008;
 # 0.004 is the lower of the two tied best. Tuned on a baseline, not on DynMoE.
 TASK_PRESETS: Dict[str, Tuple[str, ...]] = {
-    "vit-mnist": ("model.dim=64", "model.num_heads=4", "model.num_layers=4", "model.ffn_dim=128",
-                  "model.moe_layers=[1, 3]", "model.patch_size=7", "moe.num_experts=8",
-                  "train.global_batch_size=64", "train.lr=0.004", "train.warmup_steps=30"),
+    "vit-mnist": (
+        "model.dim=64",
+        "model.num_heads=4",
+        "model.num_layers=4",
+        "model.ffn_dim=128",
+        "model.moe_layers=[1, 3]",
+        "model.patch_size=7",
+        "moe.num_experts=8",
+        "train.global_batch_size=64",
+        "train.lr=0.004",
+        "train.warmup_steps=30",
+    ),
     # The upcycled finetune of launcher/configs/quickstart.toml, shortened for 16 models x 5 seeds:
     # layers 0-3 and the embeddings frozen (the quickstart's note: half the time, about one point),
     # max_len 48 instead of 64 (truncates 4.6% of the training snippets, 64 truncates 0.1%; padding is
     # routed too, so cost grows with max_len), 8 experts in layers 4 and 5 (the other tasks' count),
     # 1 epoch instead of 2 (TASK_EPOCHS). CPU time per step: 0.65 s dense, 0.83 s top-2, 2.2 s top-8.
-    "minilm-sentiment": ("task.max_len=48", "model.num_layers=6", "model.moe_layers=[4, 5]",
-                         "model.freeze=['embeddings', 'layers.0', 'layers.1', 'layers.2', 'layers.3']",
-                         "moe.num_experts=8", "train.global_batch_size=32", "train.lr=5e-5",
-                         "train.warmup_steps=20"),
-    "synthetic": ("task.num_samples=2048", "task.max_len=16", "model.dim=32", "model.num_layers=2",
-                  "model.ffn_dim=64", "model.moe_layers=[0, 1]", "moe.num_experts=8",
-                  "train.global_batch_size=32", "train.lr=0.003"),
+    "minilm-sentiment": (
+        "task.max_len=48",
+        "model.num_layers=6",
+        "model.moe_layers=[4, 5]",
+        "model.freeze=['embeddings', 'layers.0', 'layers.1', 'layers.2', 'layers.3']",
+        "moe.num_experts=8",
+        "train.global_batch_size=32",
+        "train.lr=5e-5",
+        "train.warmup_steps=20",
+    ),
+    "synthetic": (
+        "task.num_samples=2048",
+        "task.max_len=16",
+        "model.dim=32",
+        "model.num_layers=2",
+        "model.ffn_dim=64",
+        "model.moe_layers=[0, 1]",
+        "moe.num_experts=8",
+        "train.global_batch_size=32",
+        "train.lr=0.003",
+    ),
 }
 # --epochs when not given: from scratch needs many, an upcycled finetune few.
 TASK_EPOCHS = {"vit-mnist": 10, "minilm-sentiment": 1, "synthetic": 10}
 DEFAULT_SEEDS = "0,1,2,3,4"
 # Set per model or per run by compare itself: an override of these would break "same budget" or the
 # per-epoch evaluation the table is built from.
-RESERVED_KEYS = ("task.name", "moe.router", "moe.top_k", "adaptive.enabled", "adaptive.expert_init",
-                 "train.epochs", "train.max_steps", "train.seed", "train.eval_every", "output.out_dir",
-                 "output.resume")
+RESERVED_KEYS = (
+    "task.name",
+    "moe.router",
+    "moe.top_k",
+    "adaptive.enabled",
+    "adaptive.expert_init",
+    "train.epochs",
+    "train.max_steps",
+    "train.seed",
+    "train.eval_every",
+    "output.out_dir",
+    "output.resume",
+)
 
 
 def parse_models(text: str) -> List[str]:
@@ -98,12 +139,22 @@ def check_overrides(overrides: Sequence[str]) -> None:
     for text in overrides:
         section, key, _ = parse_override(text)
         if f"{section}.{key}" in RESERVED_KEYS:
-            raise ValueError(f"--set {text}: {section}.{key} is set by compare itself "
-                             f"(use --task / --epochs / --seeds / --out / --models instead)")
+            raise ValueError(
+                f"--set {text}: {section}.{key} is set by compare itself "
+                f"(use --task / --epochs / --seeds / --out / --models instead)"
+            )
 
 
-def build_config(task: str, spec: ModelSpec, seed: int, epochs: int, out_dir: Path,
-                 overrides: Sequence[str] = (), eval_every: int = 0, dynmoe_overrides: Sequence[str] = ()) -> RunConfig:
+def build_config(
+    task: str,
+    spec: ModelSpec,
+    seed: int,
+    epochs: int,
+    out_dir: Path,
+    overrides: Sequence[str] = (),
+    eval_every: int = 0,
+    dynmoe_overrides: Sequence[str] = (),
+) -> RunConfig:
     """One run's config: task preset < --set < --dynmoe-set (DynMoE runs only) < the model's router < the
     run's own fields."""
     if task not in TASK_PRESETS:
@@ -111,9 +162,15 @@ def build_config(task: str, spec: ModelSpec, seed: int, epochs: int, out_dir: Pa
     check_overrides([*overrides, *dynmoe_overrides])
     if spec.is_dynmoe:
         overrides = [*overrides, *dynmoe_overrides]
-    own = [f"task.name='{task}'", f"train.epochs={epochs}", f"train.seed={seed}", f"train.eval_every={eval_every}",
-           f"output.out_dir='{run_dir(out_dir, spec.name, seed).as_posix()}'", "output.progress=false",
-           "output.tensorboard=false"]
+    own = [
+        f"task.name='{task}'",
+        f"train.epochs={epochs}",
+        f"train.seed={seed}",
+        f"train.eval_every={eval_every}",
+        f"output.out_dir='{run_dir(out_dir, spec.name, seed).as_posix()}'",
+        "output.progress=false",
+        "output.tensorboard=false",
+    ]
     return load_config(None, [*TASK_PRESETS[task], "output.report=false", *overrides, *spec.overrides, *own])
 
 
@@ -179,9 +236,15 @@ def train(config: RunConfig, world_size: int) -> Dict:
     if world_size == 1:
         return _run_on_rank(config)
     from ..parallel.simulate import run_simulated
+
     # No overall deadline worth having: a long comparison is long; collectives still time out.
-    per_rank = run_simulated(_run_on_rank, world_size, args=(config,), timeout_s=7 * 24 * 3600.0,
-                             collective_timeout_s=config.parallel.timeout_s)
+    per_rank = run_simulated(
+        _run_on_rank,
+        world_size,
+        args=(config,),
+        timeout_s=7 * 24 * 3600.0,
+        collective_timeout_s=config.parallel.timeout_s,
+    )
     return _merge_ranks(per_rank)
 
 
@@ -212,8 +275,7 @@ def _log(message: str) -> None:
     print(message, flush=True)  # progress of a long comparison, also when stdout is a file
 
 
-def run_or_reuse(spec: ModelSpec, seed: int, config: RunConfig, world_size: int, reuse: bool,
-                 log=_log) -> RunSummary:
+def run_or_reuse(spec: ModelSpec, seed: int, config: RunConfig, world_size: int, reuse: bool, log=_log) -> RunSummary:
     folder = Path(config.output.out_dir)
     if reuse and finished(config):
         log(f"{spec.name} seed {seed}: reusing the finished run in {folder}")
@@ -228,14 +290,17 @@ def run_or_reuse(spec: ModelSpec, seed: int, config: RunConfig, world_size: int,
         log(f"{spec.name} seed {seed}: done in {time.perf_counter() - started:.0f}s")
     routing = routing_of(json.loads((folder / ROUTING_FILE).read_text()))
     summary = summarise_run(spec.name, seed, read_metrics(folder / METRICS_FILE), routing)
-    log(f"  test accuracy by epoch {[round(a, 2) for a in summary.test_accuracy]}, mean k {summary.mean_k:.2f}, "
-        f"k=0 share {summary.train_k0_share:.2f}, eval k {summary.eval_k:.2f}, experts {summary.num_experts}")
+    log(
+        f"  test accuracy by epoch {[round(a, 2) for a in summary.test_accuracy]}, mean k {summary.mean_k:.2f}, "
+        f"k=0 share {summary.train_k0_share:.2f}, eval k {summary.eval_k:.2f}, experts {summary.num_experts}"
+    )
     return summary
 
 
 @dataclass
 class Plan:
     """What a comparison will run: validated before the first (long) run starts."""
+
     task: str
     models: List[str]
     seeds: List[int]
@@ -247,8 +312,16 @@ class Plan:
     dynmoe_overrides: List[str] = field(default_factory=list)
 
     def config(self, model: str, seed: int) -> RunConfig:
-        return build_config(self.task, MODELS[model], seed, self.epochs, self.out_dir, self.overrides,
-                            eval_every=self.steps_per_epoch, dynmoe_overrides=self.dynmoe_overrides)
+        return build_config(
+            self.task,
+            MODELS[model],
+            seed,
+            self.epochs,
+            self.out_dir,
+            self.overrides,
+            eval_every=self.steps_per_epoch,
+            dynmoe_overrides=self.dynmoe_overrides,
+        )
 
 
 def without_duplicates(models: Sequence[str], config_of) -> List[str]:
@@ -256,8 +329,9 @@ def without_duplicates(models: Sequence[str], config_of) -> List[str]:
     config trains the same run, so 'default' runs it once."""
     kept, seen = [], set()
     for model in models:
-        key = json.dumps({k: v for k, v in config_of(model).to_dict().items() if k != "output"}, sort_keys=True,
-                         default=str)
+        key = json.dumps(
+            {k: v for k, v in config_of(model).to_dict().items() if k != "output"}, sort_keys=True, default=str
+        )
         if key not in seen:
             kept.append(model)
             seen.add(key)
@@ -272,8 +346,17 @@ def make_plan(args) -> Plan:
         raise ValueError(f"--world-size ({args.world_size}) must be >= 1")
     models, seeds = parse_models(args.models), parse_seeds(args.seeds)
     first = build_config(args.task, MODELS[models[0]], seeds[0], epochs, Path(args.out), args.overrides)
-    plan = Plan(args.task, models, seeds, epochs, Path(args.out), list(args.overrides), args.world_size,
-                steps_per_epoch(first), list(args.dynmoe_overrides))
+    plan = Plan(
+        args.task,
+        models,
+        seeds,
+        epochs,
+        Path(args.out),
+        list(args.overrides),
+        args.world_size,
+        steps_per_epoch(first),
+        list(args.dynmoe_overrides),
+    )
     for model in models:  # every config must validate before hours of training start
         for seed in seeds:
             plan.config(model, seed)
@@ -286,6 +369,7 @@ def ffn_shape(config: RunConfig) -> Tuple[int, int]:
     """(D, F) of one expert / dense FFN: the model section's, or the pre-trained MiniLM block's."""
     if config.task.name == "minilm-sentiment":
         from ..models.bert import BertConfig, minilm_dir
+
         bert = BertConfig.from_json(minilm_dir() / "config.json")
         return bert.hidden_size, bert.intermediate_size
     return config.model.dim, config.model.ffn_dim
@@ -310,12 +394,15 @@ def run_plan(plan: Plan, reuse: bool = True, log=_log) -> List[ModelRow]:
     summaries: Dict[str, List[RunSummary]] = {m: [] for m in plan.models}
     for seed in plan.seeds:
         for model in plan.models:
-            summaries[model].append(run_or_reuse(MODELS[model], seed, plan.config(model, seed),
-                                                 plan.world_size, reuse, log))
+            summaries[model].append(
+                run_or_reuse(MODELS[model], seed, plan.config(model, seed), plan.world_size, reuse, log)
+            )
     reference = build_config(plan.task, MODELS["top1"], plan.seeds[0], plan.epochs, plan.out_dir, plan.overrides)
     shape, positions = ffn_shape(reference), len(reference.model.moe_layers)
-    return [attach_cost(aggregate(m, MODELS[m].label, summaries[m], MODELS[m].family), MODELS[m].family, shape,
-                        positions) for m in plan.models]
+    return [
+        attach_cost(aggregate(m, MODELS[m].label, summaries[m], MODELS[m].family), MODELS[m].family, shape, positions)
+        for m in plan.models
+    ]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -346,46 +433,69 @@ def results_markdown(plan: Plan, rows: Sequence[ModelRow], command: str, wall_s:
     seeds = len(plan.seeds)
     spread = f"mean ± sample std over {seeds} seeds" if seeds > 1 else "one seed"
     run_minutes = sum(run.wall_s for row in rows for run in row.runs) / 60
-    return "\n".join([
-        f"# DynMoE vs top-k on {plan.task}", "",
-        f"Command (this invocation {wall_s / 60:.1f} min; the {sum(len(r.runs) for r in rows)} runs' own wall times "
-        f"add up to {run_minutes:.1f} min, reused runs included):", "",
-        f"    {command}", "", *settings_lines(plan), "",
-        f"Test accuracy (%) after each epoch ({spread}; best of each column in bold):", "",
-        markdown_table(rows), "",
-        "- mean k: experts per token, averaged over the MoE layers and every training step; "
-        "final k: the same over the last epoch only. Both count a token that selected no expert as 0.",
-        "- eval k: experts per token at the final evaluation, where a DynMoE token that selects no expert "
-        "falls back to its top-1 expert (moe.eval_k0 = 'top1').",
-        "- k=0 %: share of the last epoch's training tokens (all MoE layers) that selected no expert and "
-        "so skipped the MoE layer (moe.train_k0 = 'zero', the reference behaviour).",
-        "- experts: experts per MoE layer at the end of training (top-k models keep theirs).",
-        "- kFLOP/token: expert FLOPs per token summed over the MoE layers, k x 4 x D x F per layer (two "
-        "matmuls D x F and F x D = 2 D F multiply-adds per selected expert); train at the mean k of "
-        "training, eval at the eval k. The dense model counts its FFN (same D x F) as k = 1 where the "
-        "others have MoE layers. Router, attention and dispatch are left out.",
-        "- reaches best top-k: the first epoch at which the model's mean accuracy reaches the final mean "
-        "accuracy of the best top-k row ('never' if it does not).",
-        "- ms/step: wall time of one run divided by its optimizer steps (per-epoch evaluations included).",
-        "", *paired_section(rows), *skip_section(rows),
-        "![comparison](comparison.png)", ""])
+    return "\n".join(
+        [
+            f"# DynMoE vs top-k on {plan.task}",
+            "",
+            f"Command (this invocation {wall_s / 60:.1f} min; the {sum(len(r.runs) for r in rows)} runs' own wall "
+            f"times add up to {run_minutes:.1f} min, reused runs included):",
+            "",
+            f"    {command}",
+            "",
+            *settings_lines(plan),
+            "",
+            f"Test accuracy (%) after each epoch ({spread}; best of each column in bold):",
+            "",
+            markdown_table(rows),
+            "",
+            "- mean k: experts per token, averaged over the MoE layers and every training step; "
+            "final k: the same over the last epoch only. Both count a token that selected no expert as 0.",
+            "- eval k: experts per token at the final evaluation, where a DynMoE token that selects no expert "
+            "falls back to its top-1 expert (moe.eval_k0 = 'top1').",
+            "- k=0 %: share of the last epoch's training tokens (all MoE layers) that selected no expert and "
+            "so skipped the MoE layer (moe.train_k0 = 'zero', the reference behaviour).",
+            "- experts: experts per MoE layer at the end of training (top-k models keep theirs).",
+            "- kFLOP/token: expert FLOPs per token summed over the MoE layers, k x 4 x D x F per layer (two "
+            "matmuls D x F and F x D = 2 D F multiply-adds per selected expert); train at the mean k of "
+            "training, eval at the eval k. The dense model counts its FFN (same D x F) as k = 1 where the "
+            "others have MoE layers. Router, attention and dispatch are left out.",
+            "- reaches best top-k: the first epoch at which the model's mean accuracy reaches the final mean "
+            "accuracy of the best top-k row ('never' if it does not).",
+            "- ms/step: wall time of one run divided by its optimizer steps (per-epoch evaluations included).",
+            "",
+            *paired_section(rows),
+            *skip_section(rows),
+            "![comparison](comparison.png)",
+            "",
+        ]
+    )
 
 
 def paired_section(rows: Sequence[ModelRow]) -> List[str]:
     table = paired_table(rows)
     if not table:
         return []
-    return ["Final accuracy of each DynMoE model minus the reference, paired by seed (points): mean "
-            "difference, 95% confidence interval of the paired t over seeds, two-sided p:", "", table, ""]
+    return [
+        "Final accuracy of each DynMoE model minus the reference, paired by seed (points): mean "
+        "difference, 95% confidence interval of the paired t over seeds, two-sided p:",
+        "",
+        table,
+        "",
+    ]
 
 
 def skip_section(rows: Sequence[ModelRow]) -> List[str]:
     table = skip_table(rows)
     if not table:
         return []
-    return ["The final DynMoE models evaluated again with `moe.eval_k0 = \"skip\"` (a token that selects no "
-            "expert passes the layer on the residual alone) against the default top-1 fallback "
-            "(means over seeds):", "", table, ""]
+    return [
+        'The final DynMoE models evaluated again with `moe.eval_k0 = "skip"` (a token that selects no '
+        "expert passes the layer on the residual alone) against the default top-1 fallback "
+        "(means over seeds):",
+        "",
+        table,
+        "",
+    ]
 
 
 def write_outputs(plan: Plan, rows: Sequence[ModelRow], command: str, wall_s: float) -> Dict[str, Path]:
@@ -395,14 +505,27 @@ def write_outputs(plan: Plan, rows: Sequence[ModelRow], command: str, wall_s: fl
     out.mkdir(parents=True, exist_ok=True)
     paths = {"md": out / "results.md", "json": out / "results.json", "png": out / "comparison.png"}
     paths["md"].write_text(results_markdown(plan, rows, command, wall_s))
-    settings = {"task": plan.task, "models": plan.models, "seeds": plan.seeds, "epochs": plan.epochs,
-                "steps_per_epoch": plan.steps_per_epoch, "world_size": plan.world_size,
-                "overrides": plan.overrides, "dynmoe_overrides": plan.dynmoe_overrides, "command": command, "wall_s": wall_s,
-                "config_of_first_run": plan.config(plan.models[0], plan.seeds[0]).to_dict()}
-    paths["json"].write_text(json.dumps({"settings": settings, "models": [r.to_dict() for r in rows],
-                                         "paired": paired_results(rows)}, indent=1))
-    draw_comparison(rows, paths["png"], title=f"{plan.task}: {len(rows)} models, {plan.epochs} epochs, "
-                                                           f"{len(plan.seeds)} seed(s)")
+    settings = {
+        "task": plan.task,
+        "models": plan.models,
+        "seeds": plan.seeds,
+        "epochs": plan.epochs,
+        "steps_per_epoch": plan.steps_per_epoch,
+        "world_size": plan.world_size,
+        "overrides": plan.overrides,
+        "dynmoe_overrides": plan.dynmoe_overrides,
+        "command": command,
+        "wall_s": wall_s,
+        "config_of_first_run": plan.config(plan.models[0], plan.seeds[0]).to_dict(),
+    }
+    paths["json"].write_text(
+        json.dumps(
+            {"settings": settings, "models": [r.to_dict() for r in rows], "paired": paired_results(rows)}, indent=1
+        )
+    )
+    draw_comparison(
+        rows, paths["png"], title=f"{plan.task}: {len(rows)} models, {plan.epochs} epochs, {len(plan.seeds)} seed(s)"
+    )
     return paths
 
 
@@ -412,24 +535,60 @@ def write_outputs(plan: Plan, rows: Sequence[ModelRow], command: str, wall_s: fl
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", default="vit-mnist", help=f"one of {', '.join(TASK_PRESETS)} (default vit-mnist)")
-    p.add_argument("--epochs", type=int, default=None, help="training epochs of every run (default per task: "
-                   + ", ".join(f"{t} {e}" for t, e in TASK_EPOCHS.items()) + ")")
-    p.add_argument("--seeds", default=DEFAULT_SEEDS, help=f"comma-separated training seeds (default {DEFAULT_SEEDS}:"
-                   " mean ± std and paired tests over five seeds; '0' for a quick look)")
-    p.add_argument("--models", default="default", help="comma-separated subset of: " + ", ".join(MODELS)
-                   + "; 'default' = every model, a duplicate config run once; 'all' = every model")
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help="training epochs of every run (default per task: "
+        + ", ".join(f"{t} {e}" for t, e in TASK_EPOCHS.items())
+        + ")",
+    )
+    p.add_argument(
+        "--seeds",
+        default=DEFAULT_SEEDS,
+        help=f"comma-separated training seeds (default {DEFAULT_SEEDS}:"
+        " mean ± std and paired tests over five seeds; '0' for a quick look)",
+    )
+    p.add_argument(
+        "--models",
+        default="default",
+        help="comma-separated subset of: "
+        + ", ".join(MODELS)
+        + "; 'default' = every model, a duplicate config run once; 'all' = every model",
+    )
     p.add_argument("--out", default="runs/compare", help="output directory (default runs/compare)")
-    p.add_argument("--world-size", type=int, default=1, help="simulated gloo ranks per run (default 1: "
-                   "one process, the cheapest on a small machine; results agree across world sizes)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a run option for every model (repeatable), e.g. --set train.lr=0.001")
-    p.add_argument("--dynmoe-set", dest="dynmoe_overrides", action="append", default=[],
-                   metavar="SECTION.KEY=VALUE", help="override a run option for the DynMoE models only "
-                   "(repeatable), e.g. --dynmoe-set 'moe.aux_losses=[\"diverse\", \"simple\"]' (the original "
-                   "paper's losses; top-k keeps its switch loss)")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="simulated gloo ranks per run (default 1: "
+        "one process, the cheapest on a small machine; results agree across world sizes)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a run option for every model (repeatable), e.g. --set train.lr=0.001",
+    )
+    p.add_argument(
+        "--dynmoe-set",
+        dest="dynmoe_overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a run option for the DynMoE models only "
+        '(repeatable), e.g. --dynmoe-set \'moe.aux_losses=["diverse", "simple"]\' (the original '
+        "paper's losses; top-k keeps its switch loss)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads in this process (default 1)")
-    p.add_argument("--no-reuse", dest="reuse", action="store_false",
-                   help="re-run even runs whose directory holds a finished run of the same config")
+    p.add_argument(
+        "--no-reuse",
+        dest="reuse",
+        action="store_false",
+        help="re-run even runs whose directory holds a finished run of the same config",
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m dynmoe_dist.experiments compare") -> Dict:
@@ -442,6 +601,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m dynmoe_dis
     except ValueError as err:
         parser.error(str(err))
     import torch
+
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     rows = run_plan(plan, reuse=args.reuse)

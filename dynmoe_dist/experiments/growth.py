@@ -14,13 +14,17 @@ from typing import Any, Dict, List, Sequence
 def track_experts(events: Sequence[Dict], initial_counts: Sequence[int]) -> List[Dict]:
     """Per layer: {'added': [{'id', 'step', 'removed_step'}], 'initial_removed', 'final': ids at the end}.
     Identities: 'init<i>' for the starting experts, 'add<step>.<j>' for the j-th expert added at step."""
-    layers: List[Dict[str, Any]] = [{"ids": [f"init{i}" for i in range(n)], "added": {}, "initial_removed": 0} for n in initial_counts]
+    layers: List[Dict[str, Any]] = [
+        {"ids": [f"init{i}" for i in range(n)], "added": {}, "initial_removed": 0} for n in initial_counts
+    ]
     for event in sorted(events, key=lambda e: (e["step"], e["layer"])):
         layer = layers[event["layer"]]
         removed = set(event["removed"])
         if removed and max(removed) >= len(layer["ids"]):
-            raise ValueError(f"event at step {event['step']}, layer {event['layer']} removes expert "
-                             f"{max(removed)} of {len(layer['ids'])}: the events do not replay")
+            raise ValueError(
+                f"event at step {event['step']}, layer {event['layer']} removes expert "
+                f"{max(removed)} of {len(layer['ids'])}: the events do not replay"
+            )
         for position in sorted(removed):
             gone = layer["ids"][position]
             if gone in layer["added"]:
@@ -33,11 +37,15 @@ def track_experts(events: Sequence[Dict], initial_counts: Sequence[int]) -> List
             layer["added"][new] = {"id": new, "step": event["step"], "removed_step": None}
             ids.append(new)
         if len(ids) != event["num_experts"]:
-            raise ValueError(f"event at step {event['step']}, layer {event['layer']}: replay gives {len(ids)} "
-                             f"experts, the record says {event['num_experts']}")
+            raise ValueError(
+                f"event at step {event['step']}, layer {event['layer']}: replay gives {len(ids)} "
+                f"experts, the record says {event['num_experts']}"
+            )
         layer["ids"] = ids
-    return [{"added": list(layer["added"].values()), "initial_removed": layer["initial_removed"],
-             "final": layer["ids"]} for layer in layers]
+    return [
+        {"added": list(layer["added"].values()), "initial_removed": layer["initial_removed"], "final": layer["ids"]}
+        for layer in layers
+    ]
 
 
 def growth_summary(windows: Sequence[Dict], tracked: Sequence[Dict]) -> List[Dict]:
@@ -47,13 +55,18 @@ def growth_summary(windows: Sequence[Dict], tracked: Sequence[Dict]) -> List[Dic
     for index, layer in enumerate(tracked):
         mine = [w for w in windows if w["layer"] == index]
         adds = [w for w in mine if w["added"]]
-        out.append({
-            "layer": index, "num_windows": len(mine), "windows_with_add": len(adds),
-            "windows_with_unrouted": sum(1 for w in mine if w["num_unrouted"] > 0),
-            "trigger_unrouted": [w["num_unrouted"] for w in adds],
-            "trigger_share": [w["unrouted_share"] for w in adds],
-            "num_added": len(layer["added"]),
-            "added_later_removed": sum(1 for a in layer["added"] if a["removed_step"] is not None),
-            "initial_removed": layer["initial_removed"], "final_experts": len(layer["final"]),
-        })
+        out.append(
+            {
+                "layer": index,
+                "num_windows": len(mine),
+                "windows_with_add": len(adds),
+                "windows_with_unrouted": sum(1 for w in mine if w["num_unrouted"] > 0),
+                "trigger_unrouted": [w["num_unrouted"] for w in adds],
+                "trigger_share": [w["unrouted_share"] for w in adds],
+                "num_added": len(layer["added"]),
+                "added_later_removed": sum(1 for a in layer["added"] if a["removed_step"] is not None),
+                "initial_removed": layer["initial_removed"],
+                "final_experts": len(layer["final"]),
+            }
+        )
     return out

@@ -70,8 +70,15 @@ def gradient_norms(layer, routing) -> List[Dict]:
     for name, term in loss_terms(layer, routing).items():
         grads = torch.autograd.grad(term, params, retain_graph=True, allow_unused=True)
         norms = [0.0 if g is None else float(g.norm()) for g in grads]  # NOTE: device-to-host sync (diagnostic)
-        rows.append({"loss": name, "on": name in layer.config.aux_losses, "value": float(term.detach()),
-                     "threshold_grad_norm": norms[0], "gate_grad_norm": norms[1]})
+        rows.append(
+            {
+                "loss": name,
+                "on": name in layer.config.aux_losses,
+                "value": float(term.detach()),
+                "threshold_grad_norm": norms[0],
+                "gate_grad_norm": norms[1],
+            }
+        )
     return rows
 
 
@@ -82,7 +89,9 @@ class LossProbe:
     def __init__(self, num_layers: int, checkpoints: Sequence[int]):
         self.checkpoints = set(checkpoints)
         self.calls = [0] * num_layers
-        self.k_sum: List[List[torch.Tensor]] = [[] for _ in range(num_layers)]  # per step: (sum of k, tokens, tokens with k = 0)
+        self.k_sum: List[List[torch.Tensor]] = [
+            [] for _ in range(num_layers)
+        ]  # per step: (sum of k, tokens, tokens with k = 0)
         self.gradients: List[Dict] = []
 
     @classmethod
@@ -99,8 +108,11 @@ class LossProbe:
         step = self.calls[index]
         self.calls[index] += 1
         selected_T = (routing.gates.detach() > 0).sum(dim=-1)
-        self.k_sum[index].append(torch.stack([selected_T.sum().double(), torch.tensor(float(selected_T.numel())),
-                                              (selected_T == 0).sum().double()]))
+        self.k_sum[index].append(
+            torch.stack(
+                [selected_T.sum().double(), torch.tensor(float(selected_T.numel())), (selected_T == 0).sum().double()]
+            )
+        )
         if step in self.checkpoints:
             self.gradients += [{"step": step + 1, "layer": index, **row} for row in gradient_norms(layer, routing)]
             self.record_total(step + 1, index, layer)
@@ -150,10 +162,18 @@ class RecordingCoordinator:
         plan = self.inner.submit(request, local_stats)
         for layer_plan, stats in zip(plan.layers, local_stats):
             tokens, unrouted = stats.num_tokens, stats.num_unrouted
-            self.windows.append({"step": request.step, "layer": layer_plan.layer, "num_tokens": tokens,
-                                 "num_unrouted": unrouted, "unrouted_share": unrouted / tokens if tokens else 0.0,
-                                 "num_experts_before": len(stats.counts_E), "added": len(layer_plan.added),
-                                 "removed": len(layer_plan.removed)})
+            self.windows.append(
+                {
+                    "step": request.step,
+                    "layer": layer_plan.layer,
+                    "num_tokens": tokens,
+                    "num_unrouted": unrouted,
+                    "unrouted_share": unrouted / tokens if tokens else 0.0,
+                    "num_experts_before": len(stats.counts_E),
+                    "added": len(layer_plan.added),
+                    "removed": len(layer_plan.removed),
+                }
+            )
         return plan
 
     def __getattr__(self, name):  # everything else (shutdown, ...) is the wrapped coordinator's
@@ -177,9 +197,14 @@ def diagnose_run(config, num_checkpoints: int) -> Dict:
 
     run(config, trainer=trainer, coordinator_factory=factory)
     windows = recorder["c"].windows if recorder else []
-    return {"aux_losses": list(config.moe.aux_losses), "aux_loss_weight": config.moe.aux_loss_weight,
-            "checkpoints": [s + 1 for s in checkpoints], "gradients": probe.gradients, **probe.k_over_time(),
-            "windows": windows}
+    return {
+        "aux_losses": list(config.moe.aux_losses),
+        "aux_loss_weight": config.moe.aux_loss_weight,
+        "checkpoints": [s + 1 for s in checkpoints],
+        "gradients": probe.gradients,
+        **probe.k_over_time(),
+        "windows": windows,
+    }
 
 
 def run_or_reuse(model: str, seed: int, config, num_checkpoints: int, reuse: bool, log=print) -> Dict:
@@ -200,8 +225,12 @@ def run_or_reuse(model: str, seed: int, config, num_checkpoints: int, reuse: boo
     events = [r for r in records if r["kind"] == "event"]
     tracked = track_experts(events, [config.moe.num_experts] * len(config.model.moe_layers))
     final = next(r for r in reversed(records) if r["kind"] == "final")
-    return {**result, "final_accuracy": 100.0 * final["test_accuracy"], "experts": tracked,
-            "growth": growth_summary(result["windows"], tracked)}
+    return {
+        **result,
+        "final_accuracy": 100.0 * final["test_accuracy"],
+        "experts": tracked,
+        "growth": growth_summary(result["windows"], tracked),
+    }
 
 
 def parse_loss_models(text: str) -> List[str]:
@@ -220,27 +249,39 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m dynmoe_dis
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     parser.add_argument("--models", default="all", help="comma-separated subset of " + ", ".join(LOSS_MODELS))
     parser.add_argument("--checkpoints", type=int, default=5, help="steps with per-loss gradients (default 5)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override a run option (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a run option (repeatable)",
+    )
     parser.add_argument("--out", default="runs/losses", help="output directory (default runs/losses)")
     parser.add_argument("--no-reuse", dest="reuse", action="store_false", help="re-run finished runs")
     args = parser.parse_args(argv)
     try:
         models, seeds = parse_loss_models(args.models), parse_seeds(args.seeds)
         epochs = TASK_EPOCHS.get(args.task, 10) if args.epochs is None else args.epochs
-        configs = {(m, s): build_config(args.task, MODELS[m], s, epochs, Path(args.out), args.overrides)
-                   for s in seeds for m in models}
+        configs = {
+            (m, s): build_config(args.task, MODELS[m], s, epochs, Path(args.out), args.overrides)
+            for s in seeds
+            for m in models
+        }
         first = next(iter(configs.values()))
         every = steps_per_epoch(first)
-        configs = {k: build_config(args.task, MODELS[k[0]], k[1], epochs, Path(args.out), args.overrides,
-                                   eval_every=every) for k in configs}
+        configs = {
+            k: build_config(args.task, MODELS[k[0]], k[1], epochs, Path(args.out), args.overrides, eval_every=every)
+            for k in configs
+        }
     except ValueError as err:
         parser.error(str(err))
     torch.set_num_threads(1)
     results = [run_or_reuse(m, s, configs[(m, s)], args.checkpoints, args.reuse) for (m, s) in configs]
     out = Path(args.out)
-    (out / "losses.json").write_text(json.dumps({"task": args.task, "epochs": epochs, "steps_per_epoch": every,
-                                                 "runs": results}, indent=1))
+    (out / "losses.json").write_text(
+        json.dumps({"task": args.task, "epochs": epochs, "steps_per_epoch": every, "runs": results}, indent=1)
+    )
     markdown = losses_markdown(results, args.task, epochs, every, f"{prog} {' '.join(argv)}".strip())
     (out / "losses.md").write_text(markdown)
     print(markdown)

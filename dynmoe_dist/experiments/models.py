@@ -41,43 +41,67 @@ def dense() -> ModelSpec:
 def top_k(k: int) -> ModelSpec:
     # Adaptive off: a top-k layer never adds or removes experts, and on one rank there is nothing to
     # re-place, so the baseline is the plain fixed-k MoE of the paper.
-    return ModelSpec(f"top{k}", f"MoE k={k}", ("moe.router='top_k'", f"moe.top_k={k}", "adaptive.enabled=false"),
-                     "top_k")
+    return ModelSpec(
+        f"top{k}", f"MoE k={k}", ("moe.router='top_k'", f"moe.top_k={k}", "adaptive.enabled=false"), "top_k"
+    )
 
 
 def top_p(p: float = TOP_P) -> ModelSpec:
     # Huang et al. train with the load-balance loss plus their router-entropy loss; both are named here so
     # a change of the router's default aux losses cannot silently change the baseline.
-    return ModelSpec(f"top-p{p:g}", f"top-p p={p:g} (+entropy)",
-                     ("moe.router='top_p'", f"moe.top_p={p}", _losses_value(("switch", "entropy")),
-                      "adaptive.enabled=false"), "top_p")
+    return ModelSpec(
+        f"top-p{p:g}",
+        f"top-p p={p:g} (+entropy)",
+        ("moe.router='top_p'", f"moe.top_p={p}", _losses_value(("switch", "entropy")), "adaptive.enabled=false"),
+        "top_p",
+    )
 
 
 def dynmoe_init(init: str) -> ModelSpec:
     """DynMoE with one expert-init strategy and the losses of the moe.preset in force."""
-    return ModelSpec(f"dynmoe-{init}", f"DynMoE ({init.replace('_', ' ')})",
-                     ("moe.router='top_any'", "adaptive.enabled=true", f"adaptive.expert_init='{init}'"))
+    return ModelSpec(
+        f"dynmoe-{init}",
+        f"DynMoE ({init.replace('_', ' ')})",
+        ("moe.router='top_any'", "adaptive.enabled=true", f"adaptive.expert_init='{init}'"),
+    )
 
 
 def dynmoe_losses(name: str, label: str, losses: Tuple[str, ...]) -> ModelSpec:
     """DynMoE (reuse discarded, the reference init) with an explicit loss set: wins over any preset."""
-    return ModelSpec(name, label, ("moe.router='top_any'", "adaptive.enabled=true",
-                                   "adaptive.expert_init='reuse_discarded'", _losses_value(losses)))
+    return ModelSpec(
+        name,
+        label,
+        (
+            "moe.router='top_any'",
+            "adaptive.enabled=true",
+            "adaptive.expert_init='reuse_discarded'",
+            _losses_value(losses),
+        ),
+    )
 
 
 def loss_ablations() -> List[ModelSpec]:
     """The four losses, the paper's original two, and each of the four switched off in turn."""
-    specs = [dynmoe_losses("dynmoe-losses-four", "DynMoE, 4 losses", FOUR_LOSSES),
-             dynmoe_losses("dynmoe-losses-paper", "DynMoE, div+simple (paper v1)", PAPER_LOSSES)]
+    specs = [
+        dynmoe_losses("dynmoe-losses-four", "DynMoE, 4 losses", FOUR_LOSSES),
+        dynmoe_losses("dynmoe-losses-paper", "DynMoE, div+simple (paper v1)", PAPER_LOSSES),
+    ]
     for off in FOUR_LOSSES:
         kept = tuple(n for n in FOUR_LOSSES if n != off)
         specs.append(dynmoe_losses(f"dynmoe-no-{off}", f"DynMoE, no {off.replace('_', ' ')}", kept))
     return specs
 
 
-MODELS: Dict[str, ModelSpec] = {spec.name: spec for spec in (
-    dense(), *(top_k(k) for k in (1, 2, 4, 8)), top_p(),
-    *(dynmoe_init(init) for init in EXPERT_INITS), *loss_ablations())}
+MODELS: Dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        dense(),
+        *(top_k(k) for k in (1, 2, 4, 8)),
+        top_p(),
+        *(dynmoe_init(init) for init in EXPERT_INITS),
+        *loss_ablations(),
+    )
+}
 # Every model; `compare --models default` then drops a model whose config equals an earlier one's (as
 # dynmoe-losses-four does dynmoe-reuse_discarded's while the moe.preset's losses are the four).
 DEFAULT_MODELS = list(MODELS)

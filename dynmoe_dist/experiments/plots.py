@@ -43,9 +43,9 @@ def _styles(rows: Sequence[ModelRow]):
 
 def _draw_accuracy(ax, rows: Sequence[ModelRow], styles, first_epoch: int = 1, legend: bool = True) -> None:
     for row in rows:
-        epochs = np.arange(1, len(row.accuracy_mean) + 1)[first_epoch - 1:]
-        mean = np.array(row.accuracy_mean)[first_epoch - 1:]
-        std = np.array(row.accuracy_std)[first_epoch - 1:]
+        epochs = np.arange(1, len(row.accuracy_mean) + 1)[first_epoch - 1 :]
+        mean = np.array(row.accuracy_mean)[first_epoch - 1 :]
+        std = np.array(row.accuracy_std)[first_epoch - 1 :]
         marker = "o" if len(epochs) <= 20 else None
         ax.plot(epochs, mean, marker=marker, markersize=3, label=row.label, **styles[row.model])
         if len(row.seeds) > 1:
@@ -67,10 +67,14 @@ def _experts_text(row: ModelRow) -> str:
 def _draw_mean_k(ax, rows: Sequence[ModelRow], styles) -> None:
     x = np.arange(len(rows))
     colours = [styles[r.model]["color"] for r in rows]
-    ax.bar(x, [r.mean_k for r in rows], yerr=[r.mean_k_std if len(r.seeds) > 1 else 0 for r in rows],
-           color=colours, label="training, mean over all steps")
-    ax.scatter(x, [r.final_k for r in rows], color="black", marker="_", s=300, zorder=3,
-               label="training, last epoch")
+    ax.bar(
+        x,
+        [r.mean_k for r in rows],
+        yerr=[r.mean_k_std if len(r.seeds) > 1 else 0 for r in rows],
+        color=colours,
+        label="training, mean over all steps",
+    )
+    ax.scatter(x, [r.final_k for r in rows], color="black", marker="_", s=300, zorder=3, label="training, last epoch")
     # At evaluation a DynMoE token that selected nothing falls back to top-1: the k inference pays for.
     ax.scatter(x, [r.eval_k for r in rows], color="tab:red", marker="x", s=40, zorder=4, label="final evaluation")
     # Expert counts go into the tick labels: annotations above equal-height bars collide with each other.

@@ -17,8 +17,15 @@ import torch
 from ..moe.layer import find_moe_layers
 
 # Columns of the per-layer count rows.
-FIELDS = ("train_tokens", "train_k0", "recent_train_tokens", "recent_train_k0", "eval_tokens", "eval_k_sum",
-          "eval_fallback")
+FIELDS = (
+    "train_tokens",
+    "train_k0",
+    "recent_train_tokens",
+    "recent_train_k0",
+    "eval_tokens",
+    "eval_k_sum",
+    "eval_fallback",
+)
 RECENT_TRAIN = ("recent_train_tokens", "recent_train_k0")
 EVAL = ("eval_tokens", "eval_k_sum", "eval_fallback")
 
@@ -86,10 +93,14 @@ def add_totals(per_rank: List[Dict[str, List[float]]]) -> Dict[str, List[float]]
 def routing_summary(totals: Dict[str, List[float]]) -> Dict[str, float]:
     """Shares over all MoE layers: k = 0 in all training and in the last epoch, mean k and fallback share
     at the final evaluation."""
+
     def ratio(num: str, den: str) -> float:
         den_total = sum(totals[den])
         return sum(totals[num]) / den_total if den_total else float("nan")
-    return {"train_k0_share": ratio("train_k0", "train_tokens"),
-            "last_epoch_k0_share": ratio("recent_train_k0", "recent_train_tokens"),
-            "eval_k": ratio("eval_k_sum", "eval_tokens"),
-            "eval_fallback_share": ratio("eval_fallback", "eval_tokens")}
+
+    return {
+        "train_k0_share": ratio("train_k0", "train_tokens"),
+        "last_epoch_k0_share": ratio("recent_train_k0", "recent_train_tokens"),
+        "eval_k": ratio("eval_k_sum", "eval_tokens"),
+        "eval_fallback_share": ratio("eval_fallback", "eval_tokens"),
+    }

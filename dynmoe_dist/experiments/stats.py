@@ -19,6 +19,7 @@ CONFIDENCE = 0.95
 @dataclass(frozen=True)
 class PairedResult:
     """A - B over paired seeds: mean difference, its 95% confidence interval and the two-sided p-value."""
+
     num_pairs: int
     mean_diff: float
     ci_low: float

@@ -65,8 +65,9 @@ def accuracy_by_epoch(records: Sequence[Dict[str, Any]]) -> List[float]:
         if epoch is not None and "test_accuracy" in record:
             found[epoch] = 100.0 * float(record["test_accuracy"])
     if not found:
-        raise ValueError("metrics hold no eval or final record at an epoch end (was train.eval_every "
-                         "set to the steps per epoch?)")
+        raise ValueError(
+            "metrics hold no eval or final record at an epoch end (was train.eval_every set to the steps per epoch?)"
+        )
     missing = [e for e in range(1, max(found) + 1) if e not in found]
     if missing:
         raise ValueError(f"metrics have no test accuracy after epoch(s) {missing} (have {sorted(found)})")
@@ -83,28 +84,37 @@ def _step_k(record: Dict[str, Any]) -> float:
     return float(np.mean(record["mean_k"])) if record.get("mean_k") else math.nan
 
 
-def summarise_run(model: str, seed: int, records: Sequence[Dict[str, Any]],
-                  routing: Optional[Dict[str, Any]] = None) -> RunSummary:
+def summarise_run(
+    model: str, seed: int, records: Sequence[Dict[str, Any]], routing: Optional[Dict[str, Any]] = None
+) -> RunSummary:
     """One run's RunSummary from its metrics records (a resumed run's superseded records dropped) and
     the routing probe's shares (probe.routing_summary), when there are any."""
     records = latest_attempt(records)
     steps = [r for r in records if r["kind"] == "step"]
     finals = [r for r in records if r["kind"] == "final"]
     if not steps or not finals:
-        raise ValueError(f"{model} seed {seed}: metrics have {len(steps)} step and {len(finals)} final "
-                         "records; a finished run has both")
+        raise ValueError(
+            f"{model} seed {seed}: metrics have {len(steps)} step and {len(finals)} final "
+            "records; a finished run has both"
+        )
     accuracy = accuracy_by_epoch(records)
     final = finals[-1]
     steps_per_epoch = final["step"] / final["epoch"]
     last_epoch = [r for r in steps if r["step"] > final["step"] - steps_per_epoch]
     per_layer = np.array([r["mean_k"] for r in steps if r.get("mean_k")], dtype=np.float64)
     return RunSummary(
-        model=model, seed=seed, test_accuracy=accuracy,
+        model=model,
+        seed=seed,
+        test_accuracy=accuracy,
         # A dense model has no MoE layer and so no k: NaN, shown as '-'.
-        mean_k=_mean([_step_k(r) for r in steps]), final_k=_mean([_step_k(r) for r in last_epoch]),
+        mean_k=_mean([_step_k(r) for r in steps]),
+        final_k=_mean([_step_k(r) for r in last_epoch]),
         mean_k_per_layer=per_layer.mean(axis=0).tolist() if per_layer.size else [],
         num_experts=[int(n) for n in final.get("num_experts", [])],
-        wall_s=float(final.get("wall_s", math.nan)), num_steps=int(final["step"]), **(routing or {}))
+        wall_s=float(final.get("wall_s", math.nan)),
+        num_steps=int(final["step"]),
+        **(routing or {}),
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -173,17 +183,25 @@ def aggregate(model: str, label: str, runs: Sequence[RunSummary], family: str = 
     accuracy = np.array([r.test_accuracy for r in runs], dtype=np.float64)
     mean_k = np.array([r.mean_k for r in runs], dtype=np.float64)
     experts = np.array([r.num_experts for r in runs], dtype=np.float64)
-    return ModelRow(model=model, label=label, seeds=[r.seed for r in runs],
-                    accuracy_mean=accuracy.mean(axis=0).tolist(), accuracy_std=_std(accuracy).tolist(),
-                    mean_k=_mean(mean_k.tolist()), mean_k_std=float(_std(mean_k[:, None])[0]),
-                    final_k=_mean([r.final_k for r in runs]),
-                    eval_k=_mean([r.eval_k for r in runs]),
-                    last_epoch_k0_share=_mean([r.last_epoch_k0_share for r in runs]),
-                    num_experts=experts.mean(axis=0).tolist() if experts.size else [],
-                    wall_s=float(np.mean([r.wall_s for r in runs])), family=family,
-                    ms_per_step=_mean([1000 * r.wall_s / r.num_steps if r.num_steps else math.nan for r in runs]),
-                    skip_accuracy=_mean([r.skip_accuracy for r in runs]),
-                    skip_share_per_layer=_mean_lists([r.skip_share_per_layer for r in runs]), runs=list(runs))
+    return ModelRow(
+        model=model,
+        label=label,
+        seeds=[r.seed for r in runs],
+        accuracy_mean=accuracy.mean(axis=0).tolist(),
+        accuracy_std=_std(accuracy).tolist(),
+        mean_k=_mean(mean_k.tolist()),
+        mean_k_std=float(_std(mean_k[:, None])[0]),
+        final_k=_mean([r.final_k for r in runs]),
+        eval_k=_mean([r.eval_k for r in runs]),
+        last_epoch_k0_share=_mean([r.last_epoch_k0_share for r in runs]),
+        num_experts=experts.mean(axis=0).tolist() if experts.size else [],
+        wall_s=float(np.mean([r.wall_s for r in runs])),
+        family=family,
+        ms_per_step=_mean([1000 * r.wall_s / r.num_steps if r.num_steps else math.nan for r in runs]),
+        skip_accuracy=_mean([r.skip_accuracy for r in runs]),
+        skip_share_per_layer=_mean_lists([r.skip_share_per_layer for r in runs]),
+        runs=list(runs),
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -232,8 +250,16 @@ def _kflops_cell(row: ModelRow) -> str:
     return f"{_number(row.flops_train / 1e3, '.0f')} / {_number(row.flops_eval / 1e3, '.0f')}"
 
 
-TABLE_TAIL = ("mean k", "final k", "eval k", "k=0 %", "experts", "kFLOP/token train / eval", "reaches best top-k",
-              "ms/step")
+TABLE_TAIL = (
+    "mean k",
+    "final k",
+    "eval k",
+    "k=0 %",
+    "experts",
+    "kFLOP/token train / eval",
+    "reaches best top-k",
+    "ms/step",
+)
 
 
 def markdown_table(rows: Sequence[ModelRow], epochs: Optional[Sequence[int]] = None) -> str:
@@ -250,17 +276,26 @@ def markdown_table(rows: Sequence[ModelRow], epochs: Optional[Sequence[int]] = N
     best = {e: max(row.accuracy_mean[e - 1] for row in rows) for e in epochs}
     best_top_k = best_of_family(rows, "top_k")
     target = best_top_k.accuracy_mean[-1] if best_top_k else None
-    lines = ["| model | " + " | ".join(str(e) for e in epochs) + " | " + " | ".join(TABLE_TAIL) + " |",
-             "|---|" + "---|" * (len(epochs) + len(TABLE_TAIL))]
+    lines = [
+        "| model | " + " | ".join(str(e) for e in epochs) + " | " + " | ".join(TABLE_TAIL) + " |",
+        "|---|" + "---|" * (len(epochs) + len(TABLE_TAIL)),
+    ]
     for row in rows:
         cells = []
         for e in epochs:
             text = _cell(row.accuracy_mean[e - 1], row.accuracy_std[e - 1], len(row.seeds))
             cells.append(f"**{text}**" if row.accuracy_mean[e - 1] == best[e] else text)
         mean_k = "-" if math.isnan(row.mean_k) else _cell(row.mean_k, row.mean_k_std, len(row.seeds))
-        cells += [mean_k, _number(row.final_k, ".2f"), _number(row.eval_k, ".2f"),
-                  _number(100 * row.last_epoch_k0_share, ".1f"), _experts_cell(row.num_experts),
-                  _kflops_cell(row), _reach_cell(row, target), _number(row.ms_per_step, ".0f")]
+        cells += [
+            mean_k,
+            _number(row.final_k, ".2f"),
+            _number(row.eval_k, ".2f"),
+            _number(100 * row.last_epoch_k0_share, ".1f"),
+            _experts_cell(row.num_experts),
+            _kflops_cell(row),
+            _reach_cell(row, target),
+            _number(row.ms_per_step, ".0f"),
+        ]
         lines.append(f"| {row.label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -279,8 +314,7 @@ def paired_against(row: ModelRow, reference: ModelRow) -> Optional[PairedResult]
 def _paired_cell(result: Optional[PairedResult]) -> str:
     if result is None:
         return "- (needs 2 seeds)"
-    return (f"{result.mean_diff:+.2f} [{result.ci_low:+.2f}, {result.ci_high:+.2f}], "
-            f"p = {result.p_value:.3f}")
+    return f"{result.mean_diff:+.2f} [{result.ci_low:+.2f}, {result.ci_high:+.2f}], p = {result.p_value:.3f}"
 
 
 def references(rows: Sequence[ModelRow]) -> List[ModelRow]:
@@ -316,10 +350,14 @@ def skip_table(rows: Sequence[ModelRow]) -> str:
     dyn = [r for r in rows if r.family == "dynmoe" and not math.isnan(r.skip_accuracy)]
     if not dyn:
         return ""
-    lines = ["| model | acc, eval_k0 = top1 | acc, eval_k0 = skip | skip − top1 | tokens skipping layer (%) |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| model | acc, eval_k0 = top1 | acc, eval_k0 = skip | skip − top1 | tokens skipping layer (%) |",
+        "|---|---|---|---|---|",
+    ]
     for row in dyn:
         shares = " / ".join(f"{100 * s:.1f}" for s in row.skip_share_per_layer) or "-"
-        lines.append(f"| {row.label} | {row.accuracy_mean[-1]:.2f} | {row.skip_accuracy:.2f} | "
-                     f"{row.skip_accuracy - row.accuracy_mean[-1]:+.2f} | {shares} |")
+        lines.append(
+            f"| {row.label} | {row.accuracy_mean[-1]:.2f} | {row.skip_accuracy:.2f} | "
+            f"{row.skip_accuracy - row.accuracy_mean[-1]:+.2f} | {shares} |"
+        )
     return "\n".join(lines)

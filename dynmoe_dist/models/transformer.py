@@ -56,8 +56,13 @@ class SelfAttention(nn.Module):
         B, L, D = x_BLD.shape
         q, k, v = self.qkv(x_BLD).view(B, L, 3, self.num_heads, D // self.num_heads).unbind(dim=2)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
-            dropout_p=self.dropout if self.training else 0.0, is_causal=causal and attn_mask is None)
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=attn_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=causal and attn_mask is None,
+        )
         return self.proj(out.transpose(1, 2).reshape(B, L, D))
 
 
@@ -91,10 +96,14 @@ class TransformerStack(nn.Module):
         super().__init__()
         moe_cfg = replace(moe, dim=model.dim, ffn_dim=model.ffn_dim)
         self.blocks = nn.ModuleList(
-            Block(model.dim, model.num_heads,
-                  MoELayer(moe_cfg) if i in model.moe_layers else FeedForward(model.dim, model.ffn_dim),
-                  model.dropout)
-            for i in range(model.num_layers))
+            Block(
+                model.dim,
+                model.num_heads,
+                MoELayer(moe_cfg) if i in model.moe_layers else FeedForward(model.dim, model.ffn_dim),
+                model.dropout,
+            )
+            for i in range(model.num_layers)
+        )
         self.norm = nn.LayerNorm(model.dim)
 
     def forward(self, x_BLD: Tensor, attn_mask=None, causal: bool = False):

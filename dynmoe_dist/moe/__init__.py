@@ -9,5 +9,14 @@ from .layer import LocalDispatcher, MoELayer, MoEOutput
 from .routing import Routing
 from .upcycle import upcycle
 
-__all__ = ["MoEConfig", "ExpertBank", "FeedForward", "GatedFeedForward", "LocalDispatcher", "MoELayer", "MoEOutput",
-           "Routing", "upcycle"]
+__all__ = [
+    "MoEConfig",
+    "ExpertBank",
+    "FeedForward",
+    "GatedFeedForward",
+    "LocalDispatcher",
+    "MoELayer",
+    "MoEOutput",
+    "Routing",
+    "upcycle",
+]

@@ -74,8 +74,12 @@ def _require(ok: bool, message: str) -> None:
 _UNIONS = (Union, types.UnionType)
 
 # scalar type -> (one value, several values), for messages like "must be a list of integers"
-_KINDS = {int: ("an integer", "integers"), float: ("a number", "numbers"), str: ("a string", "strings"),
-          bool: ("true or false", "booleans")}
+_KINDS = {
+    int: ("an integer", "integers"),
+    float: ("a number", "numbers"),
+    str: ("a string", "strings"),
+    bool: ("true or false", "booleans"),
+}
 
 
 def _scalar_ok(value: Any, kind: type) -> bool:
@@ -197,11 +201,11 @@ class MoEConfig:
             _require(name in AUX_LOSSES, f"aux_losses entry ({name!r}) must be one of {AUX_LOSSES}")
         # top-any scores are independent sigmoids, not a distribution: their "entropy" means nothing.
         if self.router == "top_any" and "entropy" in (self.aux_losses or ()):
-            raise ValueError("aux_losses entry ('entropy') needs a softmax router (top_k or top_p), "
-                             f"router is {self.router!r}")
+            raise ValueError(
+                f"aux_losses entry ('entropy') needs a softmax router (top_k or top_p), router is {self.router!r}"
+            )
         _require(self.activation in ACTIVATIONS, f"activation ({self.activation!r}) must be one of {ACTIVATIONS}")
-        _require(self.expert_kind in EXPERT_KINDS,
-                 f"expert_kind ({self.expert_kind!r}) must be one of {EXPERT_KINDS}")
+        _require(self.expert_kind in EXPERT_KINDS, f"expert_kind ({self.expert_kind!r}) must be one of {EXPERT_KINDS}")
         _require(self.train_k0 in TRAIN_K0_MODES, f"train_k0 ({self.train_k0!r}) must be one of {TRAIN_K0_MODES}")
         _require(self.eval_k0 in EVAL_K0_MODES, f"eval_k0 ({self.eval_k0!r}) must be one of {EVAL_K0_MODES}")
         _require(

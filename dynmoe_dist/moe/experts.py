@@ -29,7 +29,11 @@ from .config import MoEConfig
 
 # 'gelu_tanh' is GPT-2's gelu_new / HF's gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 ACTIVATION_FNS: Dict[str, Callable[[Tensor], Tensor]] = {
-    "gelu": F.gelu, "relu": F.relu, "silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+}
 
 
 class FeedForward(nn.Module):
@@ -37,8 +41,7 @@ class FeedForward(nn.Module):
 
     The same module is a dense transformer FFN and one expert, which is what makes upcycling a copy."""
 
-    def __init__(self, dim: int, ffn_dim: int, *, bias: bool = True, activation: str = "gelu",
-                 init_std: float = 0.02):
+    def __init__(self, dim: int, ffn_dim: int, *, bias: bool = True, activation: str = "gelu", init_std: float = 0.02):
         super().__init__()
         self.activation = activation
         self.w_in = nn.Parameter(torch.empty(ffn_dim, dim).normal_(0.0, init_std))
@@ -59,8 +62,7 @@ class GatedFeedForward(nn.Module):
     w_gate is gate_proj, w_in up_proj, w_out down_proj. The up projection keeps FeedForward's name so
     code reading ``w_in.shape`` for (F, D) works on both kinds."""
 
-    def __init__(self, dim: int, ffn_dim: int, *, bias: bool = False, activation: str = "silu",
-                 init_std: float = 0.02):
+    def __init__(self, dim: int, ffn_dim: int, *, bias: bool = False, activation: str = "silu", init_std: float = 0.02):
         super().__init__()
         self.activation = activation
         self.w_gate = nn.Parameter(torch.empty(ffn_dim, dim).normal_(0.0, init_std))
@@ -80,7 +82,9 @@ class GatedFeedForward(nn.Module):
 
 Expert = Union[FeedForward, GatedFeedForward]
 EXPERT_CLASSES: Dict[str, Union[Type[FeedForward], Type[GatedFeedForward]]] = {
-    "ffn": FeedForward, "gated": GatedFeedForward}
+    "ffn": FeedForward,
+    "gated": GatedFeedForward,
+}
 
 
 def _cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
@@ -88,8 +92,9 @@ def _cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
 
 
 def new_expert(config: MoEConfig) -> Expert:
-    return EXPERT_CLASSES[config.expert_kind](config.dim, config.ffn_dim, bias=config.expert_bias,
-                                              activation=config.activation, init_std=config.init_std)
+    return EXPERT_CLASSES[config.expert_kind](
+        config.dim, config.ffn_dim, bias=config.expert_bias, activation=config.activation, init_std=config.init_std
+    )
 
 
 def autocast_rows(rows_RD: Tensor) -> Tensor:
@@ -131,8 +136,9 @@ class ExpertBank(nn.Module):
         want = EXPERT_CLASSES[config.expert_kind]
         for expert in self.experts:
             if not isinstance(expert, want):
-                raise ValueError(f"expert_kind ({config.expert_kind!r}) needs {want.__name__} experts, "
-                                 f"got {type(expert).__name__}")
+                raise ValueError(
+                    f"expert_kind ({config.expert_kind!r}) needs {want.__name__} experts, got {type(expert).__name__}"
+                )
         # Sharded experts (FSDP over the expert-dp group) gather their weights inside their own forward:
         # every rank must then call every local expert every step, also on zero rows, or the ranks'
         # collectives stop lining up and hang. Set by dynmoe_dist.parallel.fsdp.
@@ -161,16 +167,16 @@ class ExpertBank(nn.Module):
         # NOTE: device-to-host sync (segment sizes) unless the dispatcher passed them
         sizes = list(sizes_e) if sizes_e is not None else counts_e.tolist()
         segments = torch.split(rows_RD, sizes)
-        outs = [expert(seg) for expert, seg in zip(self.experts, segments)
-                if seg.shape[0] > 0 or self.run_every_expert]
+        outs = [expert(seg) for expert, seg in zip(self.experts, segments) if seg.shape[0] > 0 or self.run_every_expert]
         if not outs:
             return 0.0 * rows_RD  # zeros that stay in the graph: the backward exchange must still run
         return torch.cat(outs)
 
     def _grouped(self, rows_RD: Tensor, counts_e: Tensor) -> Tensor:
         offs_e = torch.cumsum(counts_e, 0).to(torch.int32)
-        slot_R = torch.repeat_interleave(torch.arange(len(self.experts), device=rows_RD.device), counts_e,
-                                         output_size=rows_RD.shape[0])  # the size is known: no sync
+        slot_R = torch.repeat_interleave(
+            torch.arange(len(self.experts), device=rows_RD.device), counts_e, output_size=rows_RD.shape[0]
+        )  # the size is known: no sync
         act = ACTIVATION_FNS[self.config.activation]  # one config for the whole bank
         hidden_RF = self._project(rows_RD, "w_in", "b_in", offs_e, slot_R)
         if self.config.expert_kind == "gated":

@@ -91,8 +91,14 @@ class TopAnyRouter(nn.Module):
         self.threshold = nn.Parameter(torch.full((config.num_experts,), float(config.threshold_init)))
 
     def forward(self, x_TD: Tensor, training: bool) -> Routing:
-        return top_any(x_TD, self.weight, self.threshold, training=training,
-                       train_k0=self.config.train_k0, eval_k0=self.config.eval_k0)
+        return top_any(
+            x_TD,
+            self.weight,
+            self.threshold,
+            training=training,
+            train_k0=self.config.train_k0,
+            eval_k0=self.config.eval_k0,
+        )
 
     def resize(self, keep: List[int], new_weight_ND: Tensor) -> None:
         """Keep the given experts (in that order) and append new gate vectors with threshold 0."""

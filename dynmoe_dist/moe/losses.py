@@ -112,7 +112,7 @@ def reduce_together(groups: Sequence[Sequence[Tensor]], reduce_sum: ReduceSum) -
     reduced = torch.split(reduce_sum(torch.cat(flat)), [t.numel() for t in flat])
     out, index = [], 0
     for group in groups:
-        out.append([r.reshape(t.shape) for r, t in zip(reduced[index:index + len(group)], group)])
+        out.append([r.reshape(t.shape) for r, t in zip(reduced[index : index + len(group)], group)])
         index += len(group)
     return out
 

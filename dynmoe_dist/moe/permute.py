@@ -38,8 +38,9 @@ class RoutedPairs:
     """The same counts as Python ints (read once): segment sizes for the per-expert loop."""
 
 
-def routed_pairs(routing: Routing, counts_E: Optional[Tensor] = None,
-                 sizes_E: Optional[Tuple[int, ...]] = None) -> RoutedPairs:
+def routed_pairs(
+    routing: Routing, counts_E: Optional[Tensor] = None, sizes_E: Optional[Tuple[int, ...]] = None
+) -> RoutedPairs:
     """All selected (token, expert) pairs, grouped by expert, tokens ascending within an expert.
     A caller that has read the counts already (with other sizes, in one read) passes them in."""
     if sizes_E is None:
@@ -120,6 +121,7 @@ def replica_row_counts(counts_E: Tensor, num_replicas_E: Tensor, max_replicas: i
     j in [ceil(r c / n), ceil((r + 1) c / n)); 0 for r >= n."""
     r_1M = torch.arange(max_replicas, device=counts_E.device).unsqueeze(0)
     c_E1, n_E1 = counts_E.unsqueeze(-1), num_replicas_E.unsqueeze(-1)
+
     def ceil(a: Tensor) -> Tensor:
         return torch.div(a + n_E1 - 1, n_E1, rounding_mode="floor")
 

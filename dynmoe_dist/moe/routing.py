@@ -101,8 +101,9 @@ def top_any(
     return Routing(mask_TE, weights_TE, num_selected_T, gates_TE, probs_TE)
 
 
-def _top1_fallback(probs_TE: Tensor, mask_TE: Tensor, weights_TE: Tensor,
-                   num_selected_T: Tensor) -> Tuple[Tensor, Tensor]:
+def _top1_fallback(
+    probs_TE: Tensor, mask_TE: Tensor, weights_TE: Tensor, num_selected_T: Tensor
+) -> Tuple[Tensor, Tensor]:
     """Give every token with k = 0 its argmax expert with weight 1 (a constant: no gate gradient)."""
     empty_T = num_selected_T == 0
     best_T = probs_TE.detach().argmax(dim=-1)

@@ -27,8 +27,9 @@ def dense_blocks(model: nn.Module) -> List[Tuple[str, Expert]]:
     return found
 
 
-def upcycle(model: nn.Module, config: Optional[MoEConfig] = None, *,
-            layers: Optional[Iterable[int]] = None, **overrides: Any) -> nn.Module:
+def upcycle(
+    model: nn.Module, config: Optional[MoEConfig] = None, *, layers: Optional[Iterable[int]] = None, **overrides: Any
+) -> nn.Module:
     """Replace the chosen dense FFNs of ``model`` in place by MoE layers; returns the model.
 
     ``config`` (or keyword ``overrides`` of MoEConfig fields) sets the routing; ``dim``, ``ffn_dim``,
@@ -39,8 +40,11 @@ def upcycle(model: nn.Module, config: Optional[MoEConfig] = None, *,
     for index in chosen:
         if not 0 <= index < len(blocks):
             raise ValueError(f"layers entry ({index}) out of range: the model has {len(blocks)} dense FFN blocks")
-    base = config if config is not None else MoEConfig(**{k: v for k, v in overrides.items()
-                                                          if k not in ("dim", "ffn_dim")})
+    base = (
+        config
+        if config is not None
+        else MoEConfig(**{k: v for k, v in overrides.items() if k not in ("dim", "ffn_dim")})
+    )
     if config is not None and overrides:
         base = replace(base, **overrides)
     for index in chosen:
@@ -51,8 +55,14 @@ def upcycle(model: nn.Module, config: Optional[MoEConfig] = None, *,
 
 def upcycled_layer(dense: Expert, config: MoEConfig) -> MoELayer:
     kind = next(k for k, cls in EXPERT_CLASSES.items() if isinstance(dense, cls))
-    layer_config = replace(config, dim=dense.w_in.shape[1], ffn_dim=dense.w_in.shape[0], expert_kind=kind,
-                           activation=dense.activation, expert_bias=dense.b_in is not None)
+    layer_config = replace(
+        config,
+        dim=dense.w_in.shape[1],
+        ffn_dim=dense.w_in.shape[0],
+        expert_kind=kind,
+        activation=dense.activation,
+        expert_bias=dense.b_in is not None,
+    )
     experts = ExpertBank(layer_config, [copy.deepcopy(dense) for _ in range(layer_config.num_experts)])
     # A fresh module starts in training mode; upcycling a model in eval mode must not leave this one
     # layer training (k = 0 tokens would get output 0 instead of the top-1 fallback).

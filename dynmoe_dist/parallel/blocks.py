@@ -42,8 +42,10 @@ def apply_activation_checkpointing(model: nn.Module) -> List[nn.Module]:
     without it. Returns the blocks."""
     blocks = find_blocks(model)
     if not blocks:
-        raise ValueError(f"train.activation_checkpointing ('block') needs a model with transformer blocks; "
-                         f"{type(model).__name__} has none")
+        raise ValueError(
+            f"train.activation_checkpointing ('block') needs a model with transformer blocks; "
+            f"{type(model).__name__} has none"
+        )
     for block in blocks:
         block.forward = functools.partial(_checkpointed, block.forward)
     return blocks

@@ -25,8 +25,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..moe.experts import autocast_rows
-from ..moe.permute import (combine_rows, inverse_permutation, replica_index, replica_row_counts, routed_pairs,
-                           sort_by_slot)
+from ..moe.permute import (
+    combine_rows,
+    inverse_permutation,
+    replica_index,
+    replica_row_counts,
+    routed_pairs,
+    sort_by_slot,
+)
 from ..moe.routing import Routing
 from .groups import ParallelGroups, named
 from .shard import SlotTables
@@ -42,8 +48,15 @@ class _AllToAll(torch.autograd.Function):
     """all_to_all_single with explicit split sizes; backward is the same exchange reversed."""
 
     @staticmethod
-    def forward(ctx: Any, x_RD: Tensor, out_splits: List[int], in_splits: List[int], group: Any, what: str,
-                groups: ParallelGroups) -> Tensor:
+    def forward(
+        ctx: Any,
+        x_RD: Tensor,
+        out_splits: List[int],
+        in_splits: List[int],
+        group: Any,
+        what: str,
+        groups: ParallelGroups,
+    ) -> Tensor:
         ctx.splits, ctx.group, ctx.what, ctx.groups = (out_splits, in_splits), group, what, groups
         out_QD = x_RD.new_empty((sum(out_splits),) + tuple(x_RD.shape[1:]))
         with named(what, groups):
@@ -95,8 +108,12 @@ class AllReduceReducer:
         self.loss_scale = 1.0 / groups.world_size
 
     def sum(self, t: Tensor) -> Tensor:
-        out: Tensor = _AllReduceSum.apply(t, None, "moe aux-loss statistics all_reduce",  # type: ignore[no-untyped-call]
-                                          self.groups)
+        out: Tensor = _AllReduceSum.apply(
+            t,
+            None,
+            "moe aux-loss statistics all_reduce",  # type: ignore[no-untyped-call]
+            self.groups,
+        )
         return out
 
 
@@ -156,8 +173,8 @@ class AllToAllDispatcher:
         # read of this layer forward; routed_pairs and the expert loop reuse it.
         W, E, e = self.groups.ep_size, counts_E.shape[0], recv_counts_We.shape[1]
         sizes = torch.cat([counts_E, send_W, recv_counts_We.reshape(-1)]).tolist()
-        send_splits = sizes[E: E + W]
-        recv_We = [sizes[E + W + i * e: E + W + (i + 1) * e] for i in range(W)]
+        send_splits = sizes[E : E + W]
+        recv_We = [sizes[E + W + i * e : E + W + (i + 1) * e] for i in range(W)]
         recv_splits = [sum(row) for row in recv_We]
         pairs = routed_pairs(routing, counts_E, tuple(sizes[:E]))
         replica_R = replica_index(pairs.counts_E, pairs.expert_R, t.num_replicas_E)
@@ -165,18 +182,31 @@ class AllToAllDispatcher:
         order_R, _ = sort_by_slot(slot_R, t.num_slots)
         token_R = pairs.token_R[order_R]
         rows_RD = autocast_rows(x_TD).index_select(0, token_R)
-        recv_QD = all_to_all(ensure_grad(rows_RD), recv_splits, send_splits, self.groups,
-                             f"{self.name} dispatch all_to_all_single")
+        recv_QD = all_to_all(
+            ensure_grad(rows_RD), recv_splits, send_splits, self.groups, f"{self.name} dispatch all_to_all_single"
+        )
         local_order_Q, counts_e = _expert_contiguous_order(recv_counts_We, sum(recv_splits))
         self._count(rows_RD, send_splits, recv_splits)
-        meta = A2AMeta(token_R, pairs.weight_R[order_R], send_splits, recv_splits, local_order_Q,
-                       x_TD.shape[0], tuple(sum(column) for column in zip(*recv_We)))
+        meta = A2AMeta(
+            token_R,
+            pairs.weight_R[order_R],
+            send_splits,
+            recv_splits,
+            local_order_Q,
+            x_TD.shape[0],
+            tuple(sum(column) for column in zip(*recv_We)),
+        )
         return recv_QD.index_select(0, local_order_Q), counts_e, meta
 
     def combine(self, rows_QD: Tensor, meta: A2AMeta) -> Tensor:
         wire_QD = rows_QD.index_select(0, inverse_permutation(meta.local_order_Q))
-        back_RD = all_to_all(ensure_grad(wire_QD), meta.send_splits, meta.recv_splits, self.groups,
-                             f"{self.name} combine all_to_all_single")
+        back_RD = all_to_all(
+            ensure_grad(wire_QD),
+            meta.send_splits,
+            meta.recv_splits,
+            self.groups,
+            f"{self.name} combine all_to_all_single",
+        )
         return combine_rows(back_RD, meta.token_R, meta.weight_R, meta.num_tokens)
 
     def _slot_counts(self, counts_E: Tensor) -> Tensor:
@@ -184,8 +214,9 @@ class AllToAllDispatcher:
         t = self.tables
         per_replica_ER = replica_row_counts(counts_E, t.num_replicas_E, t.slot_ER.shape[1])
         # Padding entries (slot -1) carry 0 rows: add them to slot 0 instead of masking (no host read).
-        return counts_E.new_zeros(t.num_slots).index_add_(0, t.slot_ER.clamp(min=0).reshape(-1),
-                                                          per_replica_ER.reshape(-1))
+        return counts_E.new_zeros(t.num_slots).index_add_(
+            0, t.slot_ER.clamp(min=0).reshape(-1), per_replica_ER.reshape(-1)
+        )
 
     def _exchange_counts(self, counts_S: Tensor) -> Tensor:
         """Send each rank the row counts of its own slots; returns (W, e) counts received."""

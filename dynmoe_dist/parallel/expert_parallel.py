@@ -18,8 +18,9 @@ from .groups import ParallelGroups
 from .shard import LayerShard
 
 
-def parallelize(model: nn.Module, groups: ParallelGroups,
-                placements: Optional[Sequence[Placement]] = None) -> List[LayerShard]:
+def parallelize(
+    model: nn.Module, groups: ParallelGroups, placements: Optional[Sequence[Placement]] = None
+) -> List[LayerShard]:
     """Shard the experts of every MoE layer (in place); returns each layer's shard record."""
     layers = find_moe_layers(model)
     if placements is not None and len(placements) != len(layers):
@@ -28,8 +29,9 @@ def parallelize(model: nn.Module, groups: ParallelGroups,
     for index, (name, layer) in enumerate(layers):
         placement = placements[index] if placements else Placement.balanced(layer.num_experts, groups.ep_size)
         if placement.num_experts != layer.num_experts:
-            raise ValueError(f"placement for {name or index} has {placement.num_experts} experts, "
-                             f"the layer {layer.num_experts}")
+            raise ValueError(
+                f"placement for {name or index} has {placement.num_experts} experts, the layer {layer.num_experts}"
+            )
         shard = LayerShard.build(index, name, layer, placement, groups.ep_rank, groups.device)
         layer.experts.keep(shard.local_experts)
         install_shard(shard, groups)

@@ -26,10 +26,10 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn as nn
 from torch import Tensor
-from torch.optim import Optimizer
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim import Optimizer
 
 from .blocks import find_blocks
 from .groups import ParallelGroups, named
@@ -59,18 +59,27 @@ def plan_sharding(parallel_config: Any, groups: ParallelGroups, bf16: bool) -> S
     dense = parallel_config.dense_sharding == "fsdp"
     experts = parallel_config.expert_sharding == "fsdp"
     if (dense or experts) and not groups.distributed:
-        warnings.warn("parallel.dense_sharding/expert_sharding ('fsdp') on a world of 1 rank: nothing to shard, "
-                      "training without FSDP", stacklevel=2)
+        warnings.warn(
+            "parallel.dense_sharding/expert_sharding ('fsdp') on a world of 1 rank: nothing to shard, "
+            "training without FSDP",
+            stacklevel=2,
+        )
         return Sharding(False, False)
     if not (dense or experts):
         return Sharding(False, False)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
-        else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
     device_type = groups.device.type
     with named("device mesh creation", groups):
         world_mesh = init_device_mesh(device_type, (groups.world_size,)) if dense else None
-        expert_mesh = init_device_mesh(device_type, (groups.dp_size, groups.ep_size),
-                                       mesh_dim_names=("expert_dp", "ep"))["expert_dp"] if experts else None
+        expert_mesh = (
+            init_device_mesh(device_type, (groups.dp_size, groups.ep_size), mesh_dim_names=("expert_dp", "ep"))[
+                "expert_dp"
+            ]
+            if experts
+            else None
+        )
     return Sharding(dense, experts, world_mesh, expert_mesh, policy)
 
 
@@ -86,8 +95,9 @@ def shard_dense(model: nn.Module, shards: Sequence[LayerShard], sharding: Shardi
     """fully_shard every block, then the root, over the world; experts and routers are left out."""
     if not sharding.dense:
         return
-    ignored = {p for shard in shards for module in (shard.layer.experts, shard.layer.router)
-               for p in module.parameters()}
+    ignored = {
+        p for shard in shards for module in (shard.layer.experts, shard.layer.router) for p in module.parameters()
+    }
     for block in find_blocks(model):
         fully_shard(block, mesh=sharding.world_mesh, ignored_params=ignored, mp_policy=sharding.mp_policy)
         _no_divide(block)
@@ -157,4 +167,3 @@ def is_sharded(p: Tensor) -> bool:
 def copy_into(param: nn.Parameter, value: Tensor) -> None:
     """Load a full logical tensor into a parameter that may be sharded."""
     param.copy_(shard_like(value.to(dtype=param.dtype), param))
-

@@ -87,8 +87,7 @@ def split_params(model: nn.Module, shards: Sequence[LayerShard]) -> ParamSplit:
                 replicated.append((shard, expert, params))
             else:
                 experts += params
-    return ParamSplit([p for p in dense if not is_sharded(p)], [p for p in dense if is_sharded(p)], experts,
-                      replicated)
+    return ParamSplit([p for p in dense if not is_sharded(p)], [p for p in dense if is_sharded(p)], experts, replicated)
 
 
 def _grads(params: Sequence[Tensor]) -> List[Tensor]:
@@ -112,8 +111,12 @@ class GradSync:
             return
         all_reduce_flat(_grads(split.dense), None, self.groups, "dense gradient all_reduce")
         if self.groups.dp_size > 1 and not self.experts_sharded:
-            all_reduce_flat(_grads(split.experts), self.groups.expert_dp_group, self.groups,
-                            "expert gradient all_reduce (expert-dp group)")
+            all_reduce_flat(
+                _grads(split.experts),
+                self.groups.expert_dp_group,
+                self.groups,
+                "expert gradient all_reduce (expert-dp group)",
+            )
         self._sync_replicas(shards, split.replicated)
 
     def _sync_replicas(self, shards: Sequence[LayerShard], held: List[Tuple[LayerShard, int, List[Tensor]]]) -> None:
@@ -140,7 +143,7 @@ class GradSync:
             dist.all_reduce(flat, group=group)
         for index, grads in mine.items():
             offset = sum(b.numel() for b in buffers[:index])
-            synced = flat[offset: offset + buffers[index].numel()]
+            synced = flat[offset : offset + buffers[index].numel()]
             for g, s in zip(grads, unflatten(synced, grads)):
                 g.copy_(s)
 
@@ -171,8 +174,9 @@ class GradSync:
         if self.groups.distributed:
             world_sq = sum_over_ranks(world_sq.reshape(1), self.groups, "gradient norm all_reduce (world)").reshape(())
             if self.groups.ep_size > 1 and not self.experts_sharded:
-                expert_sq = sum_over_ranks(expert_sq.reshape(1), self.groups, "gradient norm all_reduce (ep group)",
-                                           self.groups.ep_group).reshape(())
+                expert_sq = sum_over_ranks(
+                    expert_sq.reshape(1), self.groups, "gradient norm all_reduce (ep group)", self.groups.ep_group
+                ).reshape(())
         return (dense_sq + world_sq + expert_sq).sqrt()
 
     def clip(self, shards: Sequence[LayerShard], max_norm: float) -> float:

@@ -118,8 +118,14 @@ def init_groups(parallel_config: Any) -> ParallelGroups:
         if store is None:
             dist.init_process_group(backend, timeout=timeout, device_id=device_id)
         else:
-            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world_size,
-                                    timeout=timeout, device_id=device_id)
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=int(os.environ["RANK"]),
+                world_size=world_size,
+                timeout=timeout,
+                device_id=device_id,
+            )
     return build_groups(ep_size, device, float(parallel_config.timeout_s))
 
 
@@ -131,8 +137,7 @@ def elastic_attempt_store(timeout: timedelta) -> Optional[Any]:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
         return None
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                           is_master=False, timeout=timeout)
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     return dist.PrefixStore(f"dynmoe/attempt_{attempt}", client)
 
 
@@ -142,8 +147,7 @@ def build_groups(ep_size: int, device: Optional[torch.device] = None, timeout_s:
     world_size, rank = dist.get_world_size(), dist.get_rank()
     ep_size = resolve_ep_size(ep_size, world_size)
     ep_group, expert_dp_group = _subgroups(world_size, ep_size, rank, timeout_s)
-    return ParallelGroups(world_size, rank, ep_size, ep_group, expert_dp_group, dist.get_backend(), device,
-                          timeout_s)
+    return ParallelGroups(world_size, rank, ep_size, ep_group, expert_dp_group, dist.get_backend(), device, timeout_s)
 
 
 def _subgroups(world_size: int, ep_size: int, rank: int, timeout_s: float) -> Tuple[Any, Any]:

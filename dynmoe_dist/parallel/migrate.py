@@ -41,8 +41,9 @@ def _scalar_dtype() -> torch.dtype:
 
 
 # -- 1. linear combinations of experts -------------------------------------------------------------
-def combine_experts(combos: Sequence[Sequence[Tuple[int, float]]], shard: LayerShard,
-                    groups: ParallelGroups) -> List[List[Tensor]]:
+def combine_experts(
+    combos: Sequence[Sequence[Tuple[int, float]]], shard: LayerShard, groups: ParallelGroups
+) -> List[List[Tensor]]:
     """For each combo [(old id, coefficient)], the parameter list sum_e c_e * params(e), on every ep rank."""
     if not combos:
         return []
@@ -141,7 +142,7 @@ class _Reader:
 
     def take(self, dtype: torch.dtype, shape: Sequence[int]) -> Tensor:
         size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        chunk = self.payload[self.offset: self.offset + size]
+        chunk = self.payload[self.offset : self.offset + size]
         self.offset += size
         return chunk.view(dtype).reshape(shape).clone()
 
@@ -175,8 +176,9 @@ def transfers(lp: LayerPlan, old_placement: Placement) -> List[Tuple[int, int, i
 
 
 # -- 3. the layer as a whole -------------------------------------------------------------------------
-def apply_layer_plan(lp: LayerPlan, shard: LayerShard, optimizer: Optimizer, groups: ParallelGroups,
-                     discarded: Optional[List[Tensor]]) -> Tuple[LayerShard, Optional[List[Tensor]]]:
+def apply_layer_plan(
+    lp: LayerPlan, shard: LayerShard, optimizer: Optimizer, groups: ParallelGroups, discarded: Optional[List[Tensor]]
+) -> Tuple[LayerShard, Optional[List[Tensor]]]:
     """Rebuild the shard's layer as the plan says. Returns the layer's new shard record and the (possibly
     updated) remembered discarded expert."""
     layer = shard.layer
@@ -203,8 +205,9 @@ def apply_layer_plan(lp: LayerPlan, shard: LayerShard, optimizer: Optimizer, gro
     return new_shard, discarded
 
 
-def _move_experts(lp: LayerPlan, shard: LayerShard, local: Dict[int, nn.Module], optimizer: Optimizer,
-                  groups: ParallelGroups) -> Dict[int, Expert]:
+def _move_experts(
+    lp: LayerPlan, shard: LayerShard, local: Dict[int, nn.Module], optimizer: Optimizer, groups: ParallelGroups
+) -> Dict[int, Expert]:
     received = {}
     like = shard.layer.router.weight  # device and dtype of every expert
     for new_id, src, dst in transfers(lp, shard.placement):
@@ -215,8 +218,13 @@ def _move_experts(lp: LayerPlan, shard: LayerShard, local: Dict[int, nn.Module],
     return received
 
 
-def _added_experts(specs: Sequence[AddSpec], combined: List[List[Tensor]], discarded: Optional[List[Tensor]],
-                   config: MoEConfig, like: Tensor) -> List[Expert]:
+def _added_experts(
+    specs: Sequence[AddSpec],
+    combined: List[List[Tensor]],
+    discarded: Optional[List[Tensor]],
+    config: MoEConfig,
+    like: Tensor,
+) -> List[Expert]:
     combined = list(combined)
     experts = []
     for spec in specs:
@@ -233,8 +241,7 @@ def resize_router(layer: MoELayer, lp: LayerPlan, optimizer: Optimizer) -> None:
     """Drop removed gate rows, append new ones; slice the router's Adam moments the same way."""
     old = dict(layer.router.named_parameters())
     states = {name: optimizer.state.pop(p, None) for name, p in old.items()}
-    gates = torch.tensor([spec.gate for spec in lp.added], dtype=torch.float64).reshape(
-        len(lp.added), layer.config.dim)
+    gates = torch.tensor([spec.gate for spec in lp.added], dtype=torch.float64).reshape(len(lp.added), layer.config.dim)
     layer.router.resize(list(lp.kept), gates)
     kept = torch.tensor(lp.kept, dtype=torch.long)
     for name, p in layer.router.named_parameters():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Dict, List, Mapping, Sequence, Tuple
 
-import torch
 import torch.nn as nn
 from torch import Tensor
 
@@ -38,14 +37,20 @@ def dense_named_parameters(model: nn.Module, shards: Sequence[LayerShard]) -> Li
 
 def owned_expert_parameters(shards: Sequence[LayerShard]) -> Dict[str, Dict[str, nn.Parameter]]:
     """'layer/expert' -> {name: parameter} for the experts this rank owns (each written exactly once)."""
-    return {expert_key(shard.index, expert): dict(module.named_parameters())
-            for shard in shards for expert, module in shard.owned_modules()}
+    return {
+        expert_key(shard.index, expert): dict(module.named_parameters())
+        for shard in shards
+        for expert, module in shard.owned_modules()
+    }
 
 
 def local_expert_parameters(shards: Sequence[LayerShard]) -> Dict[str, Dict[str, nn.Parameter]]:
     """'layer/expert' -> {name: parameter} for every expert this rank holds (replicas included)."""
-    return {expert_key(shard.index, expert): dict(module.named_parameters())
-            for shard in shards for expert, module in shard.local_modules()}
+    return {
+        expert_key(shard.index, expert): dict(module.named_parameters())
+        for shard in shards
+        for expert, module in shard.local_modules()
+    }
 
 
 def resume_placement(saved: Placement, ep_size: int) -> Placement:
@@ -58,8 +63,13 @@ def owner_files_needed(saved: Sequence[Placement], placements: Sequence[Placemen
     return sorted({old.owner(expert) for old, new in zip(saved, placements) for expert in new.experts_on(ep_rank)})
 
 
-def reshard(shards: Sequence[LayerShard], placements: Sequence[Placement], dense: Mapping[str, Tensor],
-            experts: Mapping[str, Mapping[str, Tensor]], groups: ParallelGroups) -> List[LayerShard]:
+def reshard(
+    shards: Sequence[LayerShard],
+    placements: Sequence[Placement],
+    dense: Mapping[str, Tensor],
+    experts: Mapping[str, Mapping[str, Tensor]],
+    groups: ParallelGroups,
+) -> List[LayerShard]:
     """Rebuild every MoE layer for `placements` from logical tensors: the router from the dense tensors
     (its size follows the saved expert count), the bank from the experts this rank holds. Returns the
     layers' new shard records; the optimizer's param groups must be refreshed afterwards."""
@@ -74,8 +84,9 @@ def reshard(shards: Sequence[LayerShard], placements: Sequence[Placement], dense
         modules = []
         for expert in placement.experts_on(groups.ep_rank):
             params = experts[expert_key(shard.index, expert)]
-            modules.append(expert_with([params[n].to(device=like.device, dtype=like.dtype) for n, _ in specs],
-                                       layer.config))
+            modules.append(
+                expert_with([params[n].to(device=like.device, dtype=like.dtype) for n, _ in specs], layer.config)
+            )
         layer.experts.set_experts(modules)
         new = shard.moved_to(placement)
         install_shard(new, groups)

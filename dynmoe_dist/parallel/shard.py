@@ -46,8 +46,9 @@ class SlotTables:
                 table[expert, i] = offsets[rank] + slot
         num_rep = torch.tensor([len(r) for r in placement.replicas], dtype=torch.long)
         per_rank = list(placement.slots_per_rank())
-        rank_of_slot = torch.repeat_interleave(torch.arange(placement.ep_size), torch.tensor(per_rank),
-                                               output_size=placement.num_slots)
+        rank_of_slot = torch.repeat_interleave(
+            torch.arange(placement.ep_size), torch.tensor(per_rank), output_size=placement.num_slots
+        )
         return cls(num_rep.to(device), table.to(device), rank_of_slot.to(device), per_rank, placement.num_slots)
 
 
@@ -65,14 +66,16 @@ class LayerShard:
     tables: SlotTables
 
     @classmethod
-    def build(cls, index: int, name: str, layer: MoELayer, placement: Placement, ep_rank: int,
-              device: torch.device) -> "LayerShard":
+    def build(
+        cls, index: int, name: str, layer: MoELayer, placement: Placement, ep_rank: int, device: torch.device
+    ) -> "LayerShard":
         return cls(index, name, layer, placement, ep_rank, SlotTables.build(placement, device))
 
     def moved_to(self, placement: Placement) -> "LayerShard":
         """The same layer under a new placement (after a plan or a resume)."""
-        return LayerShard.build(self.index, self.name, self.layer, placement, self.ep_rank,
-                                self.tables.rank_of_slot_S.device)
+        return LayerShard.build(
+            self.index, self.name, self.layer, placement, self.ep_rank, self.tables.rank_of_slot_S.device
+        )
 
     @property
     def label(self) -> str:

@@ -34,18 +34,35 @@ def free_port() -> int:
         return port
 
 
-def _rank_main(fn: Callable[..., Any], args: Tuple[Any, ...], rank: int, world_size: int, port: int,
-               collective_timeout_s: float, env: Dict[str, str], queue: Any, backend: str = "gloo") -> None:
+def _rank_main(
+    fn: Callable[..., Any],
+    args: Tuple[Any, ...],
+    rank: int,
+    world_size: int,
+    port: int,
+    collective_timeout_s: float,
+    env: Dict[str, str],
+    queue: Any,
+    backend: str = "gloo",
+) -> None:
     os.environ.update(env)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port)})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)  # one GPU per rank, before NCCL picks one
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=collective_timeout_s))
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout_s)
+        )
         # Plain pickle (not the queue's ForkingPickler): torch would otherwise share tensors through file
         # descriptors that die with this process if it exits before the parent reads them.
         queue.put((rank, "ok", pickle.dumps(fn(*args))))
@@ -59,9 +76,16 @@ def _rank_main(fn: Callable[..., Any], args: Tuple[Any, ...], rank: int, world_s
             pass
 
 
-def run_simulated(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *, timeout_s: float = 300.0,
-                  collective_timeout_s: float = 60.0, env: Optional[Dict[str, str]] = None,
-                  backend: str = "gloo") -> List[Any]:
+def run_simulated(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout_s: float = 300.0,
+    collective_timeout_s: float = 60.0,
+    env: Optional[Dict[str, str]] = None,
+    backend: str = "gloo",
+) -> List[Any]:
     """``backend='nccl'`` gives rank r the GPU r (the gpu-check runs the trainer that way)."""
     if world_size < 1:
         raise ValueError(f"world_size ({world_size}) must be >= 1")
@@ -71,8 +95,14 @@ def run_simulated(fn: Callable[..., Any], world_size: int, args: Sequence[Any] =
     queue = ctx.Queue()
     port = free_port()
     env = {"OMP_NUM_THREADS": "1", **(env or {})}
-    procs = [ctx.Process(target=_rank_main, args=(fn, tuple(args), r, world_size, port, collective_timeout_s,
-                                                  env, queue, backend), daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, tuple(args), r, world_size, port, collective_timeout_s, env, queue, backend),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     try:
@@ -87,14 +117,16 @@ def run_simulated(fn: Callable[..., Any], world_size: int, args: Sequence[Any] =
 def _collect(queue: Any, procs: List[Any], world_size: int, timeout_s: float) -> List[Any]:
     import queue as queue_mod
     import time
+
     results: Dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     while len(results) < world_size:
         try:
             rank, status, payload = queue.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
         except queue_mod.Empty:
-            dead = [i for i, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
-                    and i not in results]
+            dead = [
+                i for i, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None) and i not in results
+            ]
             if dead and queue.empty():
                 time.sleep(0.5)  # a rank may have queued its result just before exiting
             if dead and queue.empty():
@@ -102,7 +134,8 @@ def _collect(queue: Any, procs: List[Any], world_size: int, timeout_s: float) ->
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(results))
                 raise SimulationError(
-                    f"simulated cluster timed out after {timeout_s:g}s; ranks {missing} unfinished") from None
+                    f"simulated cluster timed out after {timeout_s:g}s; ranks {missing} unfinished"
+                ) from None
             continue
         if status == "error":
             raise SimulationError(f"rank {rank} failed:\n{payload}")

@@ -90,8 +90,14 @@ def _preferred(item: Item, homes: Sequence[Sequence[int]]) -> Optional[int]:
     return homes[expert][share] if share < len(homes[expert]) else None
 
 
-def place_sticky(items: List[Item], homes: Homes, ep_size: int, cap: Optional[float],
-                 ordered: Optional[List[Item]] = None, give_up_above: Optional[float] = None) -> Optional[Assigned]:
+def place_sticky(
+    items: List[Item],
+    homes: Homes,
+    ep_size: int,
+    cap: Optional[float],
+    ordered: Optional[List[Item]] = None,
+    give_up_above: Optional[float] = None,
+) -> Optional[Assigned]:
     """Largest first; an item stays on its current rank unless that would exceed `cap` (None: always).
     ``ordered``: the items already sorted by _by_load (saves the sort when several packings share it).
     ``give_up_above``: return None once a rank's rounded load exceeds it (loads only grow, so such a
@@ -99,8 +105,11 @@ def place_sticky(items: List[Item], homes: Homes, ep_size: int, cap: Optional[fl
     bins, out = Bins(ep_size), []
     for item in ordered if ordered is not None else _by_load(items):
         pref = _preferred(item, homes)
-        fits = pref is not None and item[0] not in bins.experts[pref] and (
-            cap is None or bins.load[pref] + item[2] <= cap + EPS)
+        fits = (
+            pref is not None
+            and item[0] not in bins.experts[pref]
+            and (cap is None or bins.load[pref] + item[2] <= cap + EPS)
+        )
         rank = pref if fits and pref is not None else bins.least_loaded(item[0])
         bins.put(rank, item)
         out.append((item, rank))
@@ -166,8 +175,9 @@ def replica_options(loads: Sequence[float], ep_size: int, factor: float, max_rep
     return options
 
 
-def _assignments(items: List[Item], homes: Homes, ep_size: int, rebalance: bool,
-                 limit: Callable[[], Optional[float]] = lambda: None) -> Iterator[Optional[Assigned]]:
+def _assignments(
+    items: List[Item], homes: Homes, ep_size: int, rebalance: bool, limit: Callable[[], Optional[float]] = lambda: None
+) -> Iterator[Optional[Assigned]]:
     """The candidate packings of one replica option, lazily; ``limit()`` is the best rounded maximum
     load so far, above which a sticky packing is abandoned (yielded as None)."""
     ordered = _by_load(items)
@@ -201,8 +211,15 @@ def _cannot_win(bound: float, num_replicas: int, best_key: Optional[Key]) -> boo
     return best_key is not None and (round(bound, 6), num_replicas) > best_key[:2]
 
 
-def pack_experts(loads: Sequence[float], homes: Sequence[Sequence[int]], ep_size: int, *, rebalance: bool = True,
-                 replicate_factor: float = 1.5, max_replicas: int = 0) -> Tuple[Placement, int]:
+def pack_experts(
+    loads: Sequence[float],
+    homes: Sequence[Sequence[int]],
+    ep_size: int,
+    *,
+    rebalance: bool = True,
+    replicate_factor: float = 1.5,
+    max_replicas: int = 0,
+) -> Tuple[Placement, int]:
     """New placement for experts with these loads; homes[e] = ranks holding e now ([] for new experts).
 
     Among the candidates, the lowest maximum rank load wins, then the fewest replicas, then the fewest
@@ -213,6 +230,7 @@ def pack_experts(loads: Sequence[float], homes: Sequence[Sequence[int]], ep_size
     for replicas in replica_options(loads, ep_size, replicate_factor, max_replicas):
         if _cannot_win(load_lower_bound(loads, replicas, ep_size), sum(replicas), best_key):
             continue
+
         def limit() -> Optional[float]:
             # Late binding on purpose: the best key improves while this option's packings are tried.
             return None if best_key is None else best_key[0]  # noqa: B023

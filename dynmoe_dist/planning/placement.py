@@ -58,8 +58,7 @@ class Placement:
         return cls(int(data["ep_size"]), tuple(tuple(tuple(s) for s in slots) for slots in data["replicas"]))
 
     @classmethod
-    def from_rank_lists(cls, ep_size: int, num_experts: int,
-                        experts_per_rank: Sequence[Sequence[int]]) -> "Placement":
+    def from_rank_lists(cls, ep_size: int, num_experts: int, experts_per_rank: Sequence[Sequence[int]]) -> "Placement":
         """Build from what each rank holds, in slot order: experts_per_rank[r] = [e, ...]."""
         replicas: List[List[Slot]] = [[] for _ in range(num_experts)]
         for rank, experts in enumerate(experts_per_rank):

@@ -93,13 +93,22 @@ class Plan:
         return hashlib.sha256(repr((self.version, self.step, self.layers)).encode()).hexdigest()[:16]
 
 
-def plan(stats: Sequence[WindowStats], placements: Sequence[Placement], configs: Sequence[PlannerConfig], *,
-         version: int, step: int, has_discarded: Sequence[bool],
-         load_history: Optional[Sequence[Sequence[float]]] = None,
-         planned_by: str = "collective") -> Plan:
+def plan(
+    stats: Sequence[WindowStats],
+    placements: Sequence[Placement],
+    configs: Sequence[PlannerConfig],
+    *,
+    version: int,
+    step: int,
+    has_discarded: Sequence[bool],
+    load_history: Optional[Sequence[Sequence[float]]] = None,
+    planned_by: str = "collective",
+) -> Plan:
     if not len(stats) == len(placements) == len(configs) == len(has_discarded):
-        raise ValueError(f"plan inputs disagree on the number of layers: stats {len(stats)}, placements "
-                         f"{len(placements)}, configs {len(configs)}, has_discarded {len(has_discarded)}")
+        raise ValueError(
+            f"plan inputs disagree on the number of layers: stats {len(stats)}, placements "
+            f"{len(placements)}, configs {len(configs)}, has_discarded {len(has_discarded)}"
+        )
     layers = []
     for i, (s, p, c, d) in enumerate(zip(stats, placements, configs, has_discarded)):
         history = None if load_history is None else load_history[i]
@@ -107,8 +116,15 @@ def plan(stats: Sequence[WindowStats], placements: Sequence[Placement], configs:
     return Plan(version, step, tuple(layers), planned_by)
 
 
-def plan_layer(index: int, stats: WindowStats, placement: Placement, cfg: PlannerConfig, has_discarded: bool,
-               history: Optional[Sequence[float]] = None, seed: int = 0) -> LayerPlan:
+def plan_layer(
+    index: int,
+    stats: WindowStats,
+    placement: Placement,
+    cfg: PlannerConfig,
+    has_discarded: bool,
+    history: Optional[Sequence[float]] = None,
+    seed: int = 0,
+) -> LayerPlan:
     counts = [float(c) for c in stats.counts_E]  # NOTE: device-to-host sync (planning time, once per event)
     if len(counts) != placement.num_experts:
         raise ValueError(f"layer {index}: statistics for {len(counts)} experts, placement has {placement.num_experts}")
@@ -118,12 +134,27 @@ def plan_layer(index: int, stats: WindowStats, placement: Placement, cfg: Planne
     loads = estimated_loads(counts, kept, added, stats, history)
     homes = [placement.holders(old) for old in kept] + [[] for _ in added]
     policy = cfg.adaptive
-    new_placement, moves = pack_experts(loads, homes, placement.ep_size, rebalance=policy.rebalance,
-                                        replicate_factor=policy.replicate_factor, max_replicas=policy.max_replicas)
+    new_placement, moves = pack_experts(
+        loads,
+        homes,
+        placement.ep_size,
+        rebalance=policy.rebalance,
+        replicate_factor=policy.replicate_factor,
+        max_replicas=policy.max_replicas,
+    )
     before = imbalance(rank_loads(placement, counts))
     after = imbalance(rank_loads(new_placement, loads))
-    return LayerPlan(index, tuple(removed), tuple(kept), tuple(added), new_placement,
-                     max(removed) if removed else None, moves, before, after)
+    return LayerPlan(
+        index,
+        tuple(removed),
+        tuple(kept),
+        tuple(added),
+        new_placement,
+        max(removed) if removed else None,
+        moves,
+        before,
+        after,
+    )
 
 
 def choose_removals(counts: List[float], cfg: PlannerConfig) -> List[int]:
@@ -132,14 +163,23 @@ def choose_removals(counts: List[float], cfg: PlannerConfig) -> List[int]:
     return unused[: max(0, len(counts) - cfg.moe.min_experts)]
 
 
-def choose_additions(stats: WindowStats, counts: List[float], kept: List[int], removed: List[int],
-                     cfg: PlannerConfig, has_discarded: bool, seed: int) -> List[AddSpec]:
+def choose_additions(
+    stats: WindowStats,
+    counts: List[float],
+    kept: List[int],
+    removed: List[int],
+    cfg: PlannerConfig,
+    has_discarded: bool,
+    seed: int,
+) -> List[AddSpec]:
     assert cfg.moe.max_experts is not None, "MoEConfig fills max_experts in __post_init__"
     room = cfg.moe.max_experts - len(kept)
     num_adds = min(cfg.adaptive.max_adds_per_event, room) if wants_new_expert(stats, cfg.adaptive) else 0
     gates = new_gates(stats, num_adds)
-    return [_add_spec(cfg.adaptive.expert_init, counts, kept, removed, has_discarded, gate, seed * 16 + i)
-            for i, gate in enumerate(gates)]
+    return [
+        _add_spec(cfg.adaptive.expert_init, counts, kept, removed, has_discarded, gate, seed * 16 + i)
+        for i, gate in enumerate(gates)
+    ]
 
 
 def wants_new_expert(stats: WindowStats, adaptive: PlanningOptions) -> bool:
@@ -150,8 +190,15 @@ def wants_new_expert(stats: WindowStats, adaptive: PlanningOptions) -> bool:
     return stats.num_unrouted / max(stats.num_tokens, 1.0) > adaptive.min_unrouted_share
 
 
-def _add_spec(strategy: str, counts: List[float], kept: List[int], removed: List[int], has_discarded: bool,
-              gate: Tuple[float, ...], seed: int) -> AddSpec:
+def _add_spec(
+    strategy: str,
+    counts: List[float],
+    kept: List[int],
+    removed: List[int],
+    has_discarded: bool,
+    gate: Tuple[float, ...],
+    seed: int,
+) -> AddSpec:
     name, source, coeffs = init_strategy(strategy, counts, kept, removed, has_discarded)
     return AddSpec(name, gate, source, coeffs, seed)
 
@@ -170,8 +217,9 @@ def new_gates(stats: WindowStats, num_adds: int) -> List[Tuple[float, ...]]:
     return [tuple((s / s.norm().clamp(min=1e-12)).tolist()) for s in sums]  # NOTE: device-to-host sync (planning time)
 
 
-def init_strategy(strategy: str, counts: List[float], kept: List[int], removed: List[int],
-                  has_discarded: bool) -> Tuple[str, str, Tuple[Tuple[int, float], ...]]:
+def init_strategy(
+    strategy: str, counts: List[float], kept: List[int], removed: List[int], has_discarded: bool
+) -> Tuple[str, str, Tuple[Tuple[int, float], ...]]:
     """(name as logged, source, coefficients over old expert ids) for the FFN weights of a new expert."""
     if strategy == "reuse_discarded":
         if removed:
@@ -195,8 +243,13 @@ def init_strategy(strategy: str, counts: List[float], kept: List[int], removed: 
     raise ValueError(f"adaptive.expert_init ({strategy!r}) is not a known strategy")
 
 
-def estimated_loads(counts: List[float], kept: List[int], added: Sequence[AddSpec], stats: WindowStats,
-                    history: Optional[Sequence[float]] = None) -> List[float]:
+def estimated_loads(
+    counts: List[float],
+    kept: List[int],
+    added: Sequence[AddSpec],
+    stats: WindowStats,
+    history: Optional[Sequence[float]] = None,
+) -> List[float]:
     """Rows each expert of the new set will take: its window count (averaged with the history when given).
     A new expert takes the unrouted tokens (shared among the new experts) and, its threshold starting
     at 0, about as many as the busiest kept expert: measured (bench adapt), a new expert attracts far

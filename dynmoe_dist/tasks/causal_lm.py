@@ -47,8 +47,9 @@ class CausalLMTask(Task):
         The trainer divides 'correct' by the number of *sequences* (train: len(batch); test: the split
         size); dividing by seq_len here makes that the token accuracy in both places."""
         dtype = torch.promote_types(logits_BLV.dtype, torch.float32)
-        loss_sum = F.cross_entropy(logits_BLV.reshape(-1, logits_BLV.shape[-1]).to(dtype), targets_BL.reshape(-1),
-                                   reduction="sum")
+        loss_sum = F.cross_entropy(
+            logits_BLV.reshape(-1, logits_BLV.shape[-1]).to(dtype), targets_BL.reshape(-1), reduction="sum"
+        )
         correct = (logits_BLV.detach().argmax(-1) == targets_BL).sum().to(dtype) / self.seq_len
         return loss_sum, correct
 
@@ -60,18 +61,23 @@ def build_hf_causal_lm(run_config, task: CausalLMTask):
     """model.path -> AutoModelForCausalLM; upcycle model.moe_layers; freeze model.freeze; wrap for the trainer."""
     from ..models.hf import HFCausalLM, num_mlp_blocks, upcycle_hf
     from ..models.hf.loading import input_embeddings, load_model
+
     m = run_config.model
     if m.source != "hf":
         raise ValueError(f"task 'causal-lm' needs model.source = 'hf' (got {m.source!r}) and model.path")
     model = load_model(m.path, "causal-lm")
     num_blocks = num_mlp_blocks(model)
     if m.num_layers != num_blocks:
-        raise ValueError(f"model.num_layers ({m.num_layers}) != the {num_blocks} blocks of {type(model).__name__} "
-                         f"at model.path ({m.path!r}); set model.num_layers = {num_blocks}")
+        raise ValueError(
+            f"model.num_layers ({m.num_layers}) != the {num_blocks} blocks of {type(model).__name__} "
+            f"at model.path ({m.path!r}); set model.num_layers = {num_blocks}"
+        )
     vocab = input_embeddings(model).num_embeddings
     if task.num_classes > vocab:
-        raise ValueError(f"task.tokenizer ({task.tokenizer_path!r}) has {task.num_classes} tokens, more than the "
-                         f"model's {vocab} embeddings: it is not this model's tokenizer")
+        raise ValueError(
+            f"task.tokenizer ({task.tokenizer_path!r}) has {task.num_classes} tokens, more than the "
+            f"model's {vocab} embeddings: it is not this model's tokenizer"
+        )
     if m.moe_layers:
         upcycle_hf(model, run_config.moe, layers=list(m.moe_layers))
     freeze_parameters(model, m.freeze)  # names as in the HF model: 'model.embed_tokens', 'model.layers.0'
@@ -114,6 +120,7 @@ def read_documents(path: Path) -> List[str]:
 
 def rotten_tomatoes_snippets() -> List[str]:
     from .text import load_rotten_tomatoes
+
     return load_rotten_tomatoes()[0]
 
 
@@ -122,8 +129,10 @@ CORPORA = {"rotten-tomatoes": rotten_tomatoes_snippets}
 
 def load_documents(path_text: str, field: str, num_samples: int, seed: int) -> List[str]:
     if not path_text:
-        raise ValueError(f"{field} ('') must name a .txt / .jsonl file, a directory of them or a built-in corpus "
-                         f"({', '.join(CORPORA)}) for task 'causal-lm'")
+        raise ValueError(
+            f"{field} ('') must name a .txt / .jsonl file, a directory of them or a built-in corpus "
+            f"({', '.join(CORPORA)}) for task 'causal-lm'"
+        )
     if path_text in CORPORA:
         docs = CORPORA[path_text]()
     else:
@@ -149,9 +158,12 @@ def pack(docs: List[str], tokenizer, seq_len: int, where: str) -> Dict[str, Tens
 
 def build_causal_lm(task_config) -> CausalLMTask:
     from ..models.hf.loading import load_tokenizer
+
     if not task_config.tokenizer:
-        raise ValueError("task.tokenizer ('') must name the model's tokenizer (usually the same path as model.path) "
-                         "for task 'causal-lm'")
+        raise ValueError(
+            "task.tokenizer ('') must name the model's tokenizer (usually the same path as model.path) "
+            "for task 'causal-lm'"
+        )
     tokenizer = load_tokenizer(task_config.tokenizer, "task.tokenizer")
     docs = load_documents(task_config.path, "task.path", task_config.num_samples, task_config.seed)
     if task_config.test_path:
@@ -161,8 +173,10 @@ def build_causal_lm(task_config) -> CausalLMTask:
             raise ValueError(f"task.path ({task_config.path!r}) has {len(docs)} document; a held-out split needs >= 2")
         train_idx, test_idx = split_indices(len(docs), task_config.test_fraction, task_config.seed)
         docs, test_docs = [docs[i] for i in train_idx.tolist()], [docs[i] for i in test_idx.tolist()]
-    splits = {"train": pack(docs, tokenizer, task_config.max_len, "task.path (train split)"),
-              "test": pack(test_docs, tokenizer, task_config.max_len, "held-out split")}
+    splits = {
+        "train": pack(docs, tokenizer, task_config.max_len, "task.path (train split)"),
+        "test": pack(test_docs, tokenizer, task_config.max_len, "held-out split"),
+    }
     return CausalLMTask(splits, len(tokenizer), task_config.max_len, task_config.tokenizer)
 
 
@@ -173,18 +187,33 @@ def validate(run_config) -> None:
     if m.source != "hf":
         raise ValueError(f"task 'causal-lm' needs model.source = 'hf' (got {m.source!r}) and model.path")
     if not t.tokenizer:
-        raise ValueError("task.tokenizer ('') must name the model's tokenizer (usually the same path as model.path) "
-                         "for task 'causal-lm'")
+        raise ValueError(
+            "task.tokenizer ('') must name the model's tokenizer (usually the same path as model.path) "
+            "for task 'causal-lm'"
+        )
     for option, value in (("model.path", m.path), ("task.tokenizer", t.tokenizer)):
         if not value.startswith("package:") and not Path(value).expanduser().exists():
             raise ValueError(f"{option} ({value!r}) does not exist")
     if not t.path:
-        raise ValueError(f"task.path ('') must name a .txt / .jsonl file, a directory of them or a built-in corpus "
-                         f"({', '.join(CORPORA)}) for task 'causal-lm'")
+        raise ValueError(
+            f"task.path ('') must name a .txt / .jsonl file, a directory of them or a built-in corpus "
+            f"({', '.join(CORPORA)}) for task 'causal-lm'"
+        )
 
 
-@register("causal-lm", validate=validate, reads=(
-    "task.path", "task.test_path", "task.test_fraction", "task.max_len", "task.tokenizer",
-    "model.source", "model.path", "model.freeze"))
+@register(
+    "causal-lm",
+    validate=validate,
+    reads=(
+        "task.path",
+        "task.test_path",
+        "task.test_fraction",
+        "task.max_len",
+        "task.tokenizer",
+        "model.source",
+        "model.path",
+        "model.freeze",
+    ),
+)
 def _causal_lm(task_config) -> CausalLMTask:
     return build_causal_lm(task_config)

@@ -72,8 +72,9 @@ def class_ids(labels: List, where: str) -> Tuple[List, Dict]:
     """Raw labels (all str or all int) -> (sorted class names, name -> id)."""
     kinds = {type(label) for label in labels}
     if len(kinds) > 1:
-        raise ValueError(f"labels in {where} mix types {sorted(k.__name__ for k in kinds)}; "
-                         "use all strings or all integers")
+        raise ValueError(
+            f"labels in {where} mix types {sorted(k.__name__ for k in kinds)}; use all strings or all integers"
+        )
     names = sorted(set(labels))
     if len(names) < 2:
         raise ValueError(f"labels in {where} have {len(names)} distinct value(s) ({names}); need >= 2 classes")

@@ -21,8 +21,9 @@ SAMPLES = 2048
 def make_split(n: int, seq_len: int, generator: torch.Generator):
     labels = torch.randint(0, NUM_CLASSES, (n,), generator=generator)
     topic = labels.unsqueeze(1) * TOPIC_TOKENS + torch.randint(0, TOPIC_TOKENS, (n, seq_len), generator=generator)
-    noise = NUM_CLASSES * TOPIC_TOKENS + torch.randint(0, VOCAB - NUM_CLASSES * TOPIC_TOKENS, (n, seq_len),
-                                                       generator=generator)
+    noise = NUM_CLASSES * TOPIC_TOKENS + torch.randint(
+        0, VOCAB - NUM_CLASSES * TOPIC_TOKENS, (n, seq_len), generator=generator
+    )
     tokens = torch.where(torch.rand(n, seq_len, generator=generator) < 0.35, topic, noise)
     lengths = torch.randint(seq_len // 2, seq_len + 1, (n,), generator=generator)
     valid = torch.arange(seq_len).unsqueeze(0) < lengths.unsqueeze(1)
@@ -34,17 +35,23 @@ class SyntheticTask(Task):
 
     def build_model(self, run_config):
         seq_len = self.splits["train"]["tokens_BL"].shape[1]
-        return EncoderClassifier(run_config.model, run_config.moe, vocab_size=VOCAB, max_len=seq_len,
-                                 num_classes=NUM_CLASSES)
+        return EncoderClassifier(
+            run_config.model, run_config.moe, vocab_size=VOCAB, max_len=seq_len, num_classes=NUM_CLASSES
+        )
 
 
 # model.freeze is not in `reads`: this task never applies it, so setting it warns at start-up.
-@register("synthetic", validate=check_built_model, reads=(
-    "task.test_fraction", "task.max_len", "model.dim", "model.num_heads", "model.ffn_dim"))
+@register(
+    "synthetic",
+    validate=check_built_model,
+    reads=("task.test_fraction", "task.max_len", "model.dim", "model.num_heads", "model.ffn_dim"),
+)
 def build(task_config) -> SyntheticTask:
     total = task_config.num_samples or SAMPLES
     num_test = max(1, int(round(total * task_config.test_fraction)))
     generator = torch.Generator().manual_seed(task_config.seed)
-    splits = {"train": make_split(total - num_test, task_config.max_len, generator),
-              "test": make_split(num_test, task_config.max_len, generator)}
+    splits = {
+        "train": make_split(total - num_test, task_config.max_len, generator),
+        "test": make_split(num_test, task_config.max_len, generator),
+    }
     return SyntheticTask(splits, NUM_CLASSES)

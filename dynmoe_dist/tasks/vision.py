@@ -56,8 +56,10 @@ def validate(run_config) -> None:
     side, source = image_side()
     patch_size = run_config.model.patch_size
     if side % patch_size:
-        raise ValueError(f"model.patch_size ({patch_size}) does not divide the image size ({side}x{side}, "
-                         f"data {source}); divisors: {[p for p in range(1, side + 1) if side % p == 0]}")
+        raise ValueError(
+            f"model.patch_size ({patch_size}) does not divide the image size ({side}x{side}, "
+            f"data {source}); divisors: {[p for p in range(1, side + 1) if side % p == 0]}"
+        )
 
 
 def load_images() -> Tuple[np.ndarray, np.ndarray, str]:
@@ -72,8 +74,7 @@ def normalise(splits: Dict[str, Dict[str, Tensor]]) -> Dict[str, Dict[str, Tenso
     """Standardise pixels with the *train* split's mean and std (test statistics must not leak in)."""
     train_NCHW = splits["train"]["images_BCHW"]
     mean, std = train_NCHW.mean(), train_NCHW.std().clamp(min=1e-6)
-    return {name: {**tensors, "images_BCHW": (tensors["images_BCHW"] - mean) / std}
-            for name, tensors in splits.items()}
+    return {name: {**tensors, "images_BCHW": (tensors["images_BCHW"] - mean) / std} for name, tensors in splits.items()}
 
 
 class VisionTask(Task):
@@ -85,14 +86,18 @@ class VisionTask(Task):
         self.image_size = splits["train"]["images_BCHW"].shape[-1]
 
     def build_model(self, run_config) -> ViTClassifier:
-        model = ViTClassifier(run_config.model, run_config.moe, image_size=self.image_size, channels=1,
-                              num_classes=NUM_CLASSES)
+        model = ViTClassifier(
+            run_config.model, run_config.moe, image_size=self.image_size, channels=1, num_classes=NUM_CLASSES
+        )
         freeze_parameters(model, run_config.model.freeze)
         return model
 
 
-@register("vit-mnist", validate=validate, reads=(
-    "task.test_fraction", "model.dim", "model.num_heads", "model.ffn_dim", "model.patch_size", "model.freeze"))
+@register(
+    "vit-mnist",
+    validate=validate,
+    reads=("task.test_fraction", "model.dim", "model.num_heads", "model.ffn_dim", "model.patch_size", "model.freeze"),
+)
 def build(task_config) -> VisionTask:
     images, labels, source = load_images()
     pool = {"images_BCHW": torch.from_numpy(images), "targets": torch.from_numpy(labels).long()}

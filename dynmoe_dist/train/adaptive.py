@@ -69,11 +69,14 @@ class AdaptiveController:
 
     def request(self, step: int) -> PlanRequest:
         shards = self.trainer.shards
-        return PlanRequest(version=self.version + 1, step=step,
-                           placements=tuple(shard.placement for shard in shards),
-                           configs=tuple(PlannerConfig(shard.layer.config, self.config) for shard in shards),
-                           has_discarded=tuple(d is not None for d in self.discarded),
-                           dims=tuple(shard.layer.config.dim for shard in shards))
+        return PlanRequest(
+            version=self.version + 1,
+            step=step,
+            placements=tuple(shard.placement for shard in shards),
+            configs=tuple(PlannerConfig(shard.layer.config, self.config) for shard in shards),
+            has_discarded=tuple(d is not None for d in self.discarded),
+            dims=tuple(shard.layer.config.dim for shard in shards),
+        )
 
     # -- application ---------------------------------------------------------------------------------
     def apply(self, plan: Plan) -> List[Dict]:
@@ -83,7 +86,8 @@ class AdaptiveController:
         for lp in plan.layers:
             before = t.shards[lp.layer]
             t.shards[lp.layer], self.discarded[lp.layer] = apply_layer_plan(
-                lp, before, t.optimizer, t.groups, self.discarded[lp.layer])
+                lp, before, t.optimizer, t.groups, self.discarded[lp.layer]
+            )
             if lp.changes_experts() or lp.placement != before.placement:
                 events.append(self.event_record(plan, lp))
         shard_experts(t.shards, t.sharding, t.optimizer)
@@ -102,10 +106,18 @@ class AdaptiveController:
 
     def event_record(self, plan: Plan, lp) -> Dict:
         first_added = len(lp.kept)
-        return {"kind": "event", "step": plan.step, "epoch": plan.step / self.trainer.schedule.steps_per_epoch,
-                "layer": lp.layer, "removed": list(lp.removed),
-                "added": [{"expert": first_added + i, "init": spec.init} for i, spec in enumerate(lp.added)],
-                "moves": lp.moves,
-                "replicas": {str(e): lp.placement.num_replicas(e) for e in lp.placement.replicated_experts()},
-                "imbalance_before": lp.imbalance_before, "imbalance_after": lp.imbalance_after,
-                "num_experts": lp.num_experts, "planned_by": plan.planned_by, "version": plan.version}
+        return {
+            "kind": "event",
+            "step": plan.step,
+            "epoch": plan.step / self.trainer.schedule.steps_per_epoch,
+            "layer": lp.layer,
+            "removed": list(lp.removed),
+            "added": [{"expert": first_added + i, "init": spec.init} for i, spec in enumerate(lp.added)],
+            "moves": lp.moves,
+            "replicas": {str(e): lp.placement.num_replicas(e) for e in lp.placement.replicated_experts()},
+            "imbalance_before": lp.imbalance_before,
+            "imbalance_after": lp.imbalance_after,
+            "num_experts": lp.num_experts,
+            "planned_by": plan.planned_by,
+            "version": plan.version,
+        }

@@ -27,8 +27,15 @@ import torch
 
 from ..parallel.fsdp import full, shard_experts
 from ..parallel.groups import barrier, sum_over_ranks
-from ..parallel.reshard import (dense_named_parameters, load_dense, local_expert_parameters, owned_expert_parameters,
-                                owner_files_needed, reshard, resume_placement)
+from ..parallel.reshard import (
+    dense_named_parameters,
+    load_dense,
+    local_expert_parameters,
+    owned_expert_parameters,
+    owner_files_needed,
+    reshard,
+    resume_placement,
+)
 from ..planning.placement import Placement
 from .optim import OptimizerState, refresh_param_groups
 
@@ -74,8 +81,12 @@ class CheckpointManager:
 
     def _optimizer_state(self) -> OptimizerState:
         t = self.trainer
-        return OptimizerState(t.optimizer, dense_named_parameters(t.model, t.shards),
-                              owned_expert_parameters(t.shards), local_expert_parameters(t.shards))
+        return OptimizerState(
+            t.optimizer,
+            dense_named_parameters(t.model, t.shards),
+            owned_expert_parameters(t.shards),
+            local_expert_parameters(t.shards),
+        )
 
     # -- save --------------------------------------------------------------------------------------
     def save(self) -> Optional[Path]:
@@ -107,30 +118,43 @@ class CheckpointManager:
     def _summed_window(self):
         """Partial window statistics summed over ranks (resume hands the sum to one rank)."""
         flat = self.trainer.recorders.state_dict()["window"]
-        return None if flat is None else sum_over_ranks(flat, self.trainer.groups,
-                                                         "checkpoint window statistics all_reduce")
+        return (
+            None
+            if flat is None
+            else sum_over_ranks(flat, self.trainer.groups, "checkpoint window statistics all_reduce")
+        )
 
     # NOTE: device-to-host sync: checkpoints copy every tensor to the host (at checkpoint steps only).
     def _dense_payload(self, optimizer_dense: Dict) -> Dict:
         t = self.trainer
-        return {"params": {n: full(p.detach()).cpu().clone() for n, p in dense_named_parameters(t.model, t.shards)},
-                "state": optimizer_dense}
+        return {
+            "params": {n: full(p.detach()).cpu().clone() for n, p in dense_named_parameters(t.model, t.shards)},
+            "state": optimizer_dense,
+        }
 
     def _expert_payload(self, optimizer_experts: Dict) -> Dict:
-        return {key: {"params": {n: full(p.detach()).cpu().clone() for n, p in params.items()},
-                      "state": optimizer_experts.get(key, {})}
-                for key, params in owned_expert_parameters(self.trainer.shards).items()}
+        return {
+            key: {
+                "params": {n: full(p.detach()).cpu().clone() for n, p in params.items()},
+                "state": optimizer_experts.get(key, {}),
+            }
+            for key, params in owned_expert_parameters(self.trainer.shards).items()
+        }
 
     def _meta_payload(self, window) -> Dict:
         t = self.trainer
-        return {"step": t.step, "config": json.dumps(t.config.to_dict(), default=list),
-                "placements": [json.dumps(shard.placement.to_lists()) for shard in t.shards],
-                "num_experts": [shard.layer.num_experts for shard in t.shards],
-                "trainer": t.state_dict(), "recorders": {"window": window},
-                "adaptive": self.adaptive.state_dict() if self.adaptive else None}
+        return {
+            "step": t.step,
+            "config": json.dumps(t.config.to_dict(), default=list),
+            "placements": [json.dumps(shard.placement.to_lists()) for shard in t.shards],
+            "num_experts": [shard.layer.num_experts for shard in t.shards],
+            "trainer": t.state_dict(),
+            "recorders": {"window": window},
+            "adaptive": self.adaptive.state_dict() if self.adaptive else None,
+        }
 
     def _prune(self, keep: int) -> None:
-        for old in complete_checkpoints(self.trainer.config.output.out_dir)[:-max(1, keep)]:
+        for old in complete_checkpoints(self.trainer.config.output.out_dir)[: -max(1, keep)]:
             shutil.rmtree(old, ignore_errors=True)
 
     # -- resume ------------------------------------------------------------------------------------
@@ -160,13 +184,15 @@ class CheckpointManager:
         experts = {}
         for owner in owner_files_needed(saved, placements, t.groups.ep_rank):
             experts.update(load_file(path / f"experts_ep{owner}.pt"))
-        t.shards = reshard(t.shards, placements, dense["params"],
-                           {key: e["params"] for key, e in experts.items()}, t.groups)
+        t.shards = reshard(
+            t.shards, placements, dense["params"], {key: e["params"] for key, e in experts.items()}, t.groups
+        )
         shard_experts(t.shards, t.sharding)
         load_dense(dense_named_parameters(t.model, t.shards), dense["params"])
         refresh_param_groups(t.optimizer, t.model)
         self._optimizer_state().load_state_dict(
-            {"dense": dense["state"], "experts": {key: e["state"] for key, e in experts.items()}})
+            {"dense": dense["state"], "experts": {key: e["state"] for key, e in experts.items()}}
+        )
         t.recorders.load_state_dict(self._window_share(meta["recorders"]))
         if self.adaptive is not None and meta["adaptive"] is not None:
             self.adaptive.load_state_dict(meta["adaptive"])
@@ -187,5 +213,7 @@ class CheckpointManager:
             if section == "task":
                 differing = [k for k in differing if k in ("name", "max_len", "num_samples", "seed", "path")]
             if differing:
-                raise CheckpointError(f"checkpoint {path} was written for a different [{section}]: "
-                                      f"{', '.join(f'{k} {saved[section].get(k)!r} != {current[section][k]!r}' for k in differing)}")
+                raise CheckpointError(
+                    f"checkpoint {path} was written for a different [{section}]: "
+                    f"{', '.join(f'{k} {saved[section].get(k)!r} != {current[section][k]!r}' for k in differing)}"
+                )

@@ -21,14 +21,22 @@ USAGE_ERROR = 2  # the exit status argparse uses for a bad command line
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="dynmoe-train", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="dynmoe-train",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a DynMoE model (single process, torchrun, or Ray workers).",
         epilog="Every option below can be set in the TOML file (as [section] key = value) or with\n"
-               "--set section.key=value. A mistake is one line 'error: ...' and exit status 2\n"
-               "(DYNMOE_TRACEBACK=1 shows the traceback).\n\n" + options_help())
+        "--set section.key=value. A mistake is one line 'error: ...' and exit status 2\n"
+        "(DYNMOE_TRACEBACK=1 shows the traceback).\n\n" + options_help(),
+    )
     p.add_argument("--config", help="TOML run file (e.g. launcher/configs/demo.toml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one option (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one option (repeatable)",
+    )
     p.add_argument("--out-dir", help="shortcut for --set output.out_dir=DIR")
     p.add_argument("--resume", help="shortcut for --set output.resume=auto|PATH")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
@@ -45,10 +53,12 @@ def resolve(args) -> "RunConfig":
 
 
 def summary(final: dict, out_dir: str) -> str:
-    lines = [f"test accuracy {final['test_accuracy']:.4f}  test loss {final['test_loss']:.4f}  "
-             f"steps {final['step']}  wall {final['wall_s']:.1f}s",
-             f"experts per MoE layer at the end: {final.get('num_experts')}",
-             f"metrics: {out_dir}/metrics.jsonl"]
+    lines = [
+        f"test accuracy {final['test_accuracy']:.4f}  test loss {final['test_loss']:.4f}  "
+        f"steps {final['step']}  wall {final['wall_s']:.1f}s",
+        f"experts per MoE layer at the end: {final.get('num_experts')}",
+        f"metrics: {out_dir}/metrics.jsonl",
+    ]
     if final.get("report"):
         lines.append(f"report: {final['report']}")
     return "\n".join(lines)
@@ -93,6 +103,7 @@ def train(args) -> int:
         print(config.to_toml())
         return 0
     from .run import run  # heavy imports only when actually training
+
     final = run(config)
     if final.get("rank0", True) and "test_accuracy" in final:
         print(summary(final, config.output.out_dir), flush=True)

@@ -26,7 +26,7 @@ def shard_sizes(total: int, world_size: int) -> List[int]:
 def shard(indices: Tensor, rank: int, world_size: int) -> Tensor:
     sizes = shard_sizes(indices.numel(), world_size)
     start = sum(sizes[:rank])
-    return indices[start:start + sizes[rank]]
+    return indices[start : start + sizes[rank]]
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,9 @@ class BatchSchedule:
 
     def __post_init__(self):
         if self.num_train < self.global_batch_size:
-            raise ValueError(f"train.global_batch_size ({self.global_batch_size}) exceeds the train split "
-                             f"({self.num_train} samples)")
+            raise ValueError(
+                f"train.global_batch_size ({self.global_batch_size}) exceeds the train split ({self.num_train} samples)"
+            )
 
     @property
     def steps_per_epoch(self) -> int:
@@ -59,9 +60,11 @@ class BatchSchedule:
     def check_world(self, world_size: int) -> None:
         """Every rank needs at least one sample per micro-batch (checked before any collective)."""
         if self.micro_batch_size < world_size:
-            raise ValueError(f"micro-batch size ({self.micro_batch_size} = train.global_batch_size "
-                             f"{self.global_batch_size} / train.grad_accum {self.grad_accum}) < world size "
-                             f"({world_size}): some ranks would get no samples")
+            raise ValueError(
+                f"micro-batch size ({self.micro_batch_size} = train.global_batch_size "
+                f"{self.global_batch_size} / train.grad_accum {self.grad_accum}) < world size "
+                f"({world_size}): some ranks would get no samples"
+            )
 
     def epoch_of(self, step: int) -> int:
         return step // self.steps_per_epoch
@@ -69,23 +72,31 @@ class BatchSchedule:
     def position(self, step: int) -> Dict[str, int]:
         """Where the data stream stands before optimizer step `step` (the order is a pure function of it),
         with what must match for a resumed run to continue the same order."""
-        return {"step": step, "epoch": self.epoch_of(step), "batch_in_epoch": step % self.steps_per_epoch,
-                "num_train": self.num_train, "global_batch_size": self.global_batch_size, "seed": self.seed}
+        return {
+            "step": step,
+            "epoch": self.epoch_of(step),
+            "batch_in_epoch": step % self.steps_per_epoch,
+            "num_train": self.num_train,
+            "global_batch_size": self.global_batch_size,
+            "seed": self.seed,
+        }
 
     def check_position(self, saved: Dict[str, int]) -> int:
         """The step to continue from; raises when this schedule would replay a different data order."""
         mine = self.position(int(saved["step"]))
         for key in ("num_train", "global_batch_size", "seed"):
             if int(saved[key]) != mine[key]:
-                raise ValueError(f"the checkpoint's data order does not continue here: saved {key} "
-                                 f"({saved[key]}) != this run's ({mine[key]})")
+                raise ValueError(
+                    f"the checkpoint's data order does not continue here: saved {key} "
+                    f"({saved[key]}) != this run's ({mine[key]})"
+                )
         return mine["step"]
 
     def micro_indices(self, step: int, micro: int) -> Tensor:
         """Global sample indices of micro-batch `micro` of optimizer step `step`."""
         order = _epoch_order(self.num_train, self.seed, self.epoch_of(step))
         start = (step % self.steps_per_epoch) * self.global_batch_size + micro * self.micro_batch_size
-        return order[start:start + self.micro_batch_size]
+        return order[start : start + self.micro_batch_size]
 
 
 @lru_cache(maxsize=4)

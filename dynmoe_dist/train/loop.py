@@ -20,8 +20,14 @@ from ..parallel.blocks import apply_activation_checkpointing
 from ..parallel.expert_parallel import parallelize
 from ..parallel.fsdp import plan_sharding, shard_dense, shard_experts
 from ..parallel.grads import GradSync
-from ..parallel.groups import (ParallelGroups, check_same_everywhere, current_world_size, init_groups,
-                               resolve_ep_size, sum_over_ranks)
+from ..parallel.groups import (
+    ParallelGroups,
+    check_same_everywhere,
+    current_world_size,
+    init_groups,
+    resolve_ep_size,
+    sum_over_ranks,
+)
 from ..parallel.shard import LayerShard
 from ..planning.packing import rank_loads as rank_loads_of
 from ..tasks import build_task
@@ -53,9 +59,14 @@ class Trainer:
         self.world_size = current_world_size()
         # Everything checkable without communication is checked before the first collective.
         self.task = build_task(config.task)
-        self.schedule = BatchSchedule(self.task.size("train"), config.train.global_batch_size,
-                                      config.train.grad_accum, config.train.epochs, config.train.max_steps,
-                                      config.train.seed)
+        self.schedule = BatchSchedule(
+            self.task.size("train"),
+            config.train.global_batch_size,
+            config.train.grad_accum,
+            config.train.epochs,
+            config.train.max_steps,
+            config.train.seed,
+        )
         self.schedule.check_world(self.world_size)
         torch.manual_seed(config.train.seed)
         self.model = self.task.build_model(config)
@@ -133,13 +144,22 @@ class Trainer:
         return sum_over_ranks(vector, self.groups, what)
 
     def _step_record(self, totals: StepTotals, seconds: float, lr: float) -> Dict:
-        summed = self._sum_over_ranks(torch.cat([totals.vector(), self.recorders.step_vector()]),
-                                      "step metrics all_reduce").tolist()
+        summed = self._sum_over_ranks(
+            torch.cat([totals.vector(), self.recorders.step_vector()]), "step metrics all_reduce"
+        ).tolist()
         task_loss, correct, items, aux = summed[:4]
-        record = {"kind": "step", "step": self.step, "epoch": self.step / self.schedule.steps_per_epoch,
-                  "loss": task_loss + aux, "task_loss": task_loss, "aux_loss": aux,
-                  "accuracy": correct / max(items, 1), "lr": lr, "step_s": seconds,
-                  "samples_per_s": items / seconds}
+        record = {
+            "kind": "step",
+            "step": self.step,
+            "epoch": self.step / self.schedule.steps_per_epoch,
+            "loss": task_loss + aux,
+            "task_loss": task_loss,
+            "aux_loss": aux,
+            "accuracy": correct / max(items, 1),
+            "lr": lr,
+            "step_s": seconds,
+            "samples_per_s": items / seconds,
+        }
         record.update(self._layer_metrics(summed[4:], seconds, items))
         return record
 
@@ -148,7 +168,7 @@ class Trainer:
         offset, tokens = 0, items
         for index, (layer, shard_) in enumerate(zip(self.moe_layers, self.shards)):
             e = layer.num_experts
-            layer_tokens, k_sum, counts = flat[offset], flat[offset + 1], flat[offset + 2: offset + 2 + e]
+            layer_tokens, k_sum, counts = flat[offset], flat[offset + 1], flat[offset + 2 : offset + 2 + e]
             offset += 2 + e
             tokens = layer_tokens if index == 0 else tokens
             num_experts.append(e)
@@ -156,8 +176,14 @@ class Trainer:
             loads.append([int(c) for c in counts])
             rank_loads.append(rank_loads_of(shard_.placement, counts))
             replicas.append(shard_.placement.num_slots - e)
-        return {"tokens_per_s": tokens / seconds, "num_experts": num_experts, "mean_k": mean_k,
-                "expert_load": loads, "rank_load": rank_loads, "num_replicas": replicas}
+        return {
+            "tokens_per_s": tokens / seconds,
+            "num_experts": num_experts,
+            "mean_k": mean_k,
+            "expert_load": loads,
+            "rank_load": rank_loads,
+            "num_replicas": replicas,
+        }
 
     # -- checkpointed state ------------------------------------------------------------------------
     def state_dict(self) -> Dict:

@@ -31,8 +31,10 @@ def split_params(model: nn.Module) -> Tuple[List[nn.Parameter], List[nn.Paramete
 
 def build_optimizer(model: nn.Module, train_config) -> torch.optim.AdamW:
     decay, no_decay = split_params(model)
-    groups = [{"params": decay, "weight_decay": train_config.weight_decay, "name": "decay"},
-              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    groups = [
+        {"params": decay, "weight_decay": train_config.weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
     # foreach=False: the per-parameter loop updates each tensor in the same order whatever the
     # world size, which keeps float64 runs bitwise reproducible across placements.
     return torch.optim.AdamW(groups, lr=train_config.lr, betas=tuple(train_config.betas), foreach=False)
@@ -98,8 +100,10 @@ class OptimizerState:
         return {name: _cpu_state(state[p]) for name, p in named.items() if p in state}
 
     def state_dict(self) -> Dict:
-        return {"dense": self._states(self.dense),
-                "experts": {key: self._states(params) for key, params in self.owned_experts.items()}}
+        return {
+            "dense": self._states(self.dense),
+            "experts": {key: self._states(params) for key, params in self.owned_experts.items()},
+        }
 
     def load_state_dict(self, saved: Dict) -> None:
         self._load(self.dense, saved["dense"])
@@ -110,5 +114,6 @@ class OptimizerState:
         for name, state in saved.items():
             if name in named:
                 p = named[name]
-                self.optimizer.state[p] = {k: shard_like(v, p) if k != "step" else v
-                                           for k, v in _on_device(state, p.device).items()}
+                self.optimizer.state[p] = {
+                    k: shard_like(v, p) if k != "step" else v for k, v in _on_device(state, p.device).items()
+                }

@@ -31,8 +31,9 @@ class LayerRecorder:
     def start_window(self) -> None:
         cfg = self.layer.config
         assert cfg.max_experts is not None, "MoEConfig fills max_experts in __post_init__"
-        self.window = WindowStats.empty(self.layer.num_experts, cfg.dim, cfg.max_experts,
-                                        device=self.layer.router.weight.device)
+        self.window = WindowStats.empty(
+            self.layer.num_experts, cfg.dim, cfg.max_experts, device=self.layer.router.weight.device
+        )
 
     def __call__(self, layer: MoELayer, x_TD: Tensor, routing: Routing) -> None:
         if not layer.training:
@@ -111,8 +112,9 @@ class Recorders:
             recorder.start_window()
             size = _open(recorder.window).to_flat().numel()
             cfg = recorder.layer.config
-            recorder.window = WindowStats.from_flat(flat[offset:offset + size], recorder.layer.num_experts,
-                                                    cfg.dim).to(recorder.layer.router.weight.device)
+            recorder.window = WindowStats.from_flat(
+                flat[offset : offset + size], recorder.layer.num_experts, cfg.dim
+            ).to(recorder.layer.router.weight.device)
             offset += size
         if offset != flat.numel():
             raise ValueError(f"saved window statistics have {flat.numel()} values, the layers need {offset}")

@@ -97,8 +97,13 @@ def _layer_series(steps: Sequence[Dict[str, Any]], layer: int) -> LayerSeries:
         if loads is not None:
             load_XS[: len(loads), s] = loads
     imbalance_S = np.array([_imbalance((r.get("rank_load") or [None] * (layer + 1))[layer]) for r in steps])
-    return LayerSeries(num_experts_S, _per_layer(steps, "mean_k", layer),
-                       _per_layer(steps, "num_replicas", layer), load_XS, imbalance_S)
+    return LayerSeries(
+        num_experts_S,
+        _per_layer(steps, "mean_k", layer),
+        _per_layer(steps, "num_replicas", layer),
+        load_XS,
+        imbalance_S,
+    )
 
 
 def _imbalance(loads: Optional[Sequence[float]]) -> float:
@@ -116,8 +121,11 @@ def _event_marks(events: Sequence[Dict[str, Any]]) -> List[Tuple[int, int, str]]
     for event in events:
         layer = int(event.get("layer", 0))
         replicas = dict(event.get("replicas") or {})
-        for change, happened in (("removed", bool(event.get("removed"))), ("added", bool(event.get("added"))),
-                                 ("replicated", replicas != previous_replicas.get(layer, {}))):
+        for change, happened in (
+            ("removed", bool(event.get("removed"))),
+            ("added", bool(event.get("added"))),
+            ("replicated", replicas != previous_replicas.get(layer, {})),
+        ):
             if happened:
                 marks.append((int(event["step"]), layer, change))
         previous_replicas[layer] = replicas
@@ -234,8 +242,16 @@ def _mark_events(ax, series: ReportSeries) -> None:
         steps = series.event_steps(change)
         if len(steps):
             shifted = offset_copy(ax.get_xaxis_transform(), fig=ax.figure, x=offset, units="points")
-            ax.vlines(steps, 0, 1, transform=shifted, color=style["color"], linestyle=style["linestyle"],
-                      linewidth=1.3, alpha=0.9)
+            ax.vlines(
+                steps,
+                0,
+                1,
+                transform=shifted,
+                color=style["color"],
+                linestyle=style["linestyle"],
+                linewidth=1.3,
+                alpha=0.9,
+            )
 
 
 def _empty(ax, title: str, message: str) -> None:
@@ -278,8 +294,7 @@ def _draw_accuracy(ax, series: ReportSeries) -> None:
     ax.legend(loc="lower right", fontsize="small")
 
 
-def _draw_per_layer(ax, series: ReportSeries, attribute: str, title: str, ylabel: str,
-                    steps_drawstyle: bool) -> None:
+def _draw_per_layer(ax, series: ReportSeries, attribute: str, title: str, ylabel: str, steps_drawstyle: bool) -> None:
     num_layers = len(series.layers)
     # Per-step ratios are noisy enough to hide the trend of a long run; counts are never smoothed.
     window = 1 if steps_drawstyle else _smoothing_window(len(series.steps_S))
@@ -287,8 +302,15 @@ def _draw_per_layer(ax, series: ReportSeries, attribute: str, title: str, ylabel
         # Integer counts of several layers often coincide: later layers are drawn thinner on top, so
         # a shared value still shows every layer's colour.
         width = max(1.2, 3.0 - 0.6 * layer) if steps_drawstyle else 1.2
-        _plot(ax, series.steps_S, smooth(getattr(data, attribute), window), color=_layer_colour(layer, num_layers),
-              label=f"layer {layer}", linewidth=width, drawstyle="steps-post" if steps_drawstyle else "default")
+        _plot(
+            ax,
+            series.steps_S,
+            smooth(getattr(data, attribute), window),
+            color=_layer_colour(layer, num_layers),
+            label=f"layer {layer}",
+            linewidth=width,
+            drawstyle="steps-post" if steps_drawstyle else "default",
+        )
     if window > 1:
         title += f", mean of {window} logged steps"
     ax.set(title=title, xlabel="step", ylabel=ylabel)
@@ -300,8 +322,14 @@ def _draw_per_layer(ax, series: ReportSeries, attribute: str, title: str, ylabel
 def _draw_rank_imbalance(ax, series: ReportSeries) -> None:
     if all(np.all(np.isnan(layer.rank_imbalance_S)) for layer in series.layers):
         return _empty(ax, "EP rank load imbalance", "rank_load not recorded")
-    _draw_per_layer(ax, series, "rank_imbalance_S", "EP rank load imbalance (busiest rank / mean)",
-                    "max / mean rows", steps_drawstyle=False)
+    _draw_per_layer(
+        ax,
+        series,
+        "rank_imbalance_S",
+        "EP rank load imbalance (busiest rank / mean)",
+        "max / mean rows",
+        steps_drawstyle=False,
+    )
     ax.axhline(1.0, color="grey", linewidth=0.8)
 
 
@@ -318,8 +346,14 @@ def _draw_heatmap(fig, ax, series: ReportSeries, layer: int, max_bins: int) -> N
     # Square-root colour scale: a shared expert takes most rows, and a linear scale would paint every
     # other expert the same dark colour.
     norm = PowerNorm(0.5, vmin=0.0, vmax=max(float(np.nanmax(share_XB)), 1e-9))
-    mesh = ax.pcolormesh(edges, np.arange(share_XB.shape[0] + 1) - 0.5, np.ma.masked_invalid(share_XB),
-                         cmap="viridis", norm=norm, shading="flat")
+    mesh = ax.pcolormesh(
+        edges,
+        np.arange(share_XB.shape[0] + 1) - 0.5,
+        np.ma.masked_invalid(share_XB),
+        cmap="viridis",
+        norm=norm,
+        shading="flat",
+    )
     ax.set_facecolor("#d9d9d9")
     ax.set(title=title, xlabel="step", ylabel="expert slot")
     ax.yaxis.get_major_locator().set_params(integer=True)
@@ -331,8 +365,10 @@ def _plural(count: int, noun: str) -> str:
 
 
 def _suptitle(series: ReportSeries, metrics_path: Path) -> str:
-    parts = [f"{metrics_path.parent.name or metrics_path.name}: {_plural(len(series.steps_S), 'logged step')} "
-             f"(last step {series.steps_S[-1]}), {_plural(len(series.layers), 'MoE layer')}"]
+    parts = [
+        f"{metrics_path.parent.name or metrics_path.name}: {_plural(len(series.steps_S), 'logged step')} "
+        f"(last step {series.steps_S[-1]}), {_plural(len(series.layers), 'MoE layer')}"
+    ]
     final = series.final or {}
     if isinstance(final.get("test_accuracy"), (int, float)):
         parts.append(f"final test accuracy {final['test_accuracy']:.4f}")
@@ -344,11 +380,19 @@ def _suptitle(series: ReportSeries, metrics_path: Path) -> str:
 def _event_legend(fig, series: ReportSeries) -> None:
     from matplotlib.lines import Line2D
 
-    handles = [Line2D([], [], color=s["color"], linestyle=s["linestyle"], label=s["label"])  # type: ignore[arg-type]
-               for change, s in EVENT_STYLE.items() if len(series.event_steps(change))]
+    handles = [
+        Line2D([], [], color=s["color"], linestyle=s["linestyle"], label=s["label"])  # type: ignore[arg-type]
+        for change, s in EVENT_STYLE.items()
+        if len(series.event_steps(change))
+    ]
     if handles:
-        fig.legend(handles=handles, loc="outside upper right", ncol=len(handles), fontsize="small",
-                   title="adaptive events (vertical lines, all panels)")
+        fig.legend(
+            handles=handles,
+            loc="outside upper right",
+            ncol=len(handles),
+            fontsize="small",
+            title="adaptive events (vertical lines, all panels)",
+        )
 
 
 def draw_series(series: ReportSeries, out_png: str | Path, title: str, max_bins: int = 300) -> Path:
@@ -381,10 +425,10 @@ def draw_series(series: ReportSeries, out_png: str | Path, title: str, max_bins:
 def _draw_moe_panels(fig, grid, loss_ax, series: ReportSeries, max_bins: int) -> list:
     axes = [fig.add_subplot(grid[row, col], sharex=loss_ax) for row in (1, 2) for col in (0, 1)]
     _draw_per_layer(axes[0], series, "num_experts_S", "Experts per MoE layer", "experts", steps_drawstyle=True)
-    _draw_per_layer(axes[1], series, "mean_k_S", "Mean experts per token (k) per MoE layer", "mean k",
-                    steps_drawstyle=False)
-    _draw_per_layer(axes[2], series, "num_replicas_S", "Extra replicas per MoE layer", "replicas",
-                    steps_drawstyle=True)
+    _draw_per_layer(
+        axes[1], series, "mean_k_S", "Mean experts per token (k) per MoE layer", "mean k", steps_drawstyle=False
+    )
+    _draw_per_layer(axes[2], series, "num_replicas_S", "Extra replicas per MoE layer", "replicas", steps_drawstyle=True)
     _draw_rank_imbalance(axes[3], series)
     for layer in range(len(series.layers)):
         ax = fig.add_subplot(grid[3 + layer, :], sharex=loss_ax)
@@ -401,8 +445,9 @@ def draw_report(metrics_path: str | Path, out_png: str | Path, max_bins: int = 3
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Path:
-    parser = argparse.ArgumentParser(prog="python -m dynmoe_dist.train.report",
-                                     description="Draw the one-figure report of a dynmoe_dist run.")
+    parser = argparse.ArgumentParser(
+        prog="python -m dynmoe_dist.train.report", description="Draw the one-figure report of a dynmoe_dist run."
+    )
     parser.add_argument("run", help=f"a run's out dir (holding {METRICS_FILE}) or a metrics file")
     parser.add_argument("-o", "--output", help="PNG to write (default: report.png next to the metrics)")
     parser.add_argument("--max-bins", type=int, default=300, help="time bins of the load heatmaps")

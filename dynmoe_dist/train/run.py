@@ -33,8 +33,10 @@ def ray_coordinator_hint() -> str:
     (find_spec looks Ray up without importing it: train/ never imports Ray.)"""
     entry = "python -m dynmoe_dist.cluster.submit (see docs/multinode.md)"
     if importlib.util.find_spec("ray") is None:
-        return (f"parallel.coordinator ('ray') needs Ray, which is not installed: pip install 'dynmoe_dist[ray]', "
-                f"then submit the job with {entry}")
+        return (
+            f"parallel.coordinator ('ray') needs Ray, which is not installed: pip install 'dynmoe_dist[ray]', "
+            f"then submit the job with {entry}"
+        )
     return f"parallel.coordinator ('ray') needs the Ray job entry point: {entry}"
 
 
@@ -65,14 +67,23 @@ def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factor
     config = resolve_optional_features(config)  # idempotent: the CLI has done it already
     trainer = trainer or Trainer(config)
     from .checkpoint import CheckpointManager
-    adaptive = AdaptiveController(trainer, make_coordinator(trainer, coordinator_factory)) if config.adaptive.enabled else None
+
+    adaptive = (
+        AdaptiveController(trainer, make_coordinator(trainer, coordinator_factory)) if config.adaptive.enabled else None
+    )
     checkpoints = CheckpointManager(trainer, adaptive)
     if checkpoints.resume(config.output.resume) is None and trainer.is_rank0:
         archive_previous_run(Path(config.output.out_dir))
     total = trainer.schedule.total_steps
     out = config.output
-    with Telemetry(out.out_dir, total, rank0=trainer.is_rank0, progress=out.progress,
-                   tensorboard=out.tensorboard, initial_step=trainer.step) as telemetry:
+    with Telemetry(
+        out.out_dir,
+        total,
+        rank0=trainer.is_rank0,
+        progress=out.progress,
+        tensorboard=out.tensorboard,
+        initial_step=trainer.step,
+    ) as telemetry:
         while trainer.step < total:
             record, events = step_once(trainer, adaptive)
             if (trainer.step - 1) % config.train.log_every == 0 or trainer.step == total:
@@ -84,9 +95,14 @@ def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factor
             if out.checkpoint_every and trainer.step % out.checkpoint_every == 0:
                 checkpoints.save()
             maybe_crash(config, trainer)
-        final = {"kind": "final", "step": trainer.step, "epoch": trainer.step / trainer.schedule.steps_per_epoch,
-                 **trainer.evaluate(), "wall_s": time.perf_counter() - started,
-                 "num_experts": [layer.num_experts for layer in trainer.moe_layers]}
+        final = {
+            "kind": "final",
+            "step": trainer.step,
+            "epoch": trainer.step / trainer.schedule.steps_per_epoch,
+            **trainer.evaluate(),
+            "wall_s": time.perf_counter() - started,
+            "num_experts": [layer.num_experts for layer in trainer.moe_layers],
+        }
         telemetry.log(final)
     if out.final_checkpoint:
         checkpoints.save()
@@ -117,4 +133,5 @@ def archive_previous_run(out_dir: Path) -> Optional[Path]:
 
 def draw_run_report(out_dir: Path) -> Optional[Path]:
     from .report import draw_report
+
     return draw_report(out_dir / "metrics.jsonl", out_dir / "report.png")

@@ -54,6 +54,7 @@ def is_set(config: RunConfig, option: str) -> bool:
 
 # -- options that do nothing ----------------------------------------------------------------------
 
+
 def task_unread(config: RunConfig) -> List[Tuple[str, str]]:
     """(option, why) for the task-dependent options this task does not read (as it declares)."""
     reads = task_spec(config.task.name).reads
@@ -64,11 +65,20 @@ def task_unread(config: RunConfig) -> List[Tuple[str, str]]:
 
 def router_unread(config: RunConfig) -> List[Tuple[str, str]]:
     router = config.moe.router
-    found = [(f"moe.{name}", f"only the {' / '.join(routers)} router reads it, and moe.router is {router!r}")
-             for name, routers in ROUTER_FIELDS.items() if router not in routers]
+    found = [
+        (f"moe.{name}", f"only the {' / '.join(routers)} router reads it, and moe.router is {router!r}")
+        for name, routers in ROUTER_FIELDS.items()
+        if router not in routers
+    ]
     if router != "top_any":
-        found += [(option, f"only top_any layers add and remove experts (moe.router is {router!r}: adaptive "
-                           "events only re-place and replicate them)") for option in ADD_REMOVE_OPTIONS]
+        found += [
+            (
+                option,
+                f"only top_any layers add and remove experts (moe.router is {router!r}: adaptive "
+                "events only re-place and replicate them)",
+            )
+            for option in ADD_REMOVE_OPTIONS
+        ]
     return found
 
 
@@ -90,6 +100,7 @@ def ignored_options(config: RunConfig) -> List[str]:
 
 # -- optional extras ------------------------------------------------------------------------------
 
+
 def missing_packages(packages: Tuple[str, ...]) -> List[str]:
     # find_spec locates a package without importing it (matplotlib and tensorboard are slow imports).
     return [name for name in packages if importlib.util.find_spec(name) is None]
@@ -109,10 +120,14 @@ def resolve_optional_features(config: RunConfig) -> RunConfig:
             continue
         install = f"pip install 'dynmoe_dist[{extra}]'"
         if option in config.explicit:
-            raise ValueError(f"{option} (true) needs {', '.join(missing)}, which is not installed: {install} "
-                             f"(or set {option}=false)")
-        warnings.warn(f"{option} turned off: {', '.join(missing)} is not installed ({install} to have it)",
-                      ConfigWarning, stacklevel=2)
+            raise ValueError(
+                f"{option} (true) needs {', '.join(missing)}, which is not installed: {install} (or set {option}=false)"
+            )
+        warnings.warn(
+            f"{option} turned off: {', '.join(missing)} is not installed ({install} to have it)",
+            ConfigWarning,
+            stacklevel=2,
+        )
         config = turned_off(config, option)
     return config
 

@@ -50,12 +50,14 @@ def _check_layer_lists(record: Dict[str, Any]) -> None:
         if value is not None and len(value) != len(num_experts):
             raise ValueError(
                 f"step {record['step']}: len({field}) ({len(value)}) != number of MoE layers "
-                f"({len(num_experts)}, from num_experts)")
+                f"({len(num_experts)}, from num_experts)"
+            )
     for layer, loads in enumerate(record.get("expert_load") or []):
         if len(loads) != num_experts[layer]:
             raise ValueError(
                 f"step {record['step']}: len(expert_load[{layer}]) ({len(loads)}) != "
-                f"num_experts[{layer}] ({num_experts[layer]})")
+                f"num_experts[{layer}] ({num_experts[layer]})"
+            )
 
 
 def _to_json(value: Any) -> Any:
@@ -165,8 +167,11 @@ def scalar_tags(record: Dict[str, Any]) -> Dict[str, float]:
     """
     kind = record["kind"]
     prefix = {"step": "train", "event": f"event/layer{record.get('layer', 0)}"}.get(kind, kind)
-    tags = {f"{prefix}/{field}": float(value) for field, value in record.items()
-            if field not in ("step", "layer") and _is_number(value)}
+    tags = {
+        f"{prefix}/{field}": float(value)
+        for field, value in record.items()
+        if field not in ("step", "layer") and _is_number(value)
+    }
     if kind != "step":
         return tags  # per-layer lists exist only in step records (an event's `removed` is expert ids)
     for field, values in record.items():
@@ -229,8 +234,7 @@ def describe_event(record: Dict[str, Any]) -> str:
 
 def describe_scores(record: Dict[str, Any]) -> str:
     """'eval step 20: test_loss 1.1000, test_accuracy 0.6100' for eval and final records."""
-    scores = ", ".join(f"{k} {v:.4f}" for k, v in record.items()
-                       if _is_number(v) and k not in ("step", "epoch"))
+    scores = ", ".join(f"{k} {v:.4f}" for k, v in record.items() if _is_number(v) and k not in ("step", "epoch"))
     return f"{record['kind']} step {record['step']}: {scores}"
 
 
@@ -271,8 +275,13 @@ class ProgressBar:
             # Redrawn in place on a terminal; in a log file (Ray job logs, nohup) every redraw is
             # appended, so redraw only every 30 s there.
             interactive = sys.stderr.isatty()
-            self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True,
-                             mininterval=0.1 if interactive else 30.0)
+            self._bar = tqdm(
+                total=total_steps,
+                initial=initial_step,
+                unit="step",
+                dynamic_ncols=True,
+                mininterval=0.1 if interactive else 30.0,
+            )
 
     def update(self, record: Dict[str, Any]) -> None:
         """Move the bar to the record's step (records may come every log_every steps) and show its scores."""
@@ -303,8 +312,15 @@ class Telemetry:
     event / eval / final records are printed above it. Elsewhere every call is a no-op.
     """
 
-    def __init__(self, out_dir: str | os.PathLike, total_steps: int, rank0: bool,
-                 progress: bool = True, tensorboard: bool = True, initial_step: int = 0):
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        total_steps: int,
+        rank0: bool,
+        progress: bool = True,
+        tensorboard: bool = True,
+        initial_step: int = 0,
+    ):
         self.rank0 = rank0
         # TensorBoard first: a missing package fails before any file is opened or bar drawn.
         self.tensorboard: Optional[TensorBoardWriter] = TensorBoardWriter(out_dir) if rank0 and tensorboard else None

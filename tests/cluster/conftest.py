@@ -6,7 +6,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from raytest import SETTINGS, start_head, torchrun
 
 
@@ -38,4 +37,3 @@ def reference_run():
         yield folder / "run"
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-

@@ -17,8 +17,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from dynmoe_dist.cluster.local import (SESSION_FILE, alive, head_args, local_env, ray_executable, read_sessions,
-                                       session_processes, start_node, stop_sessions)
+from dynmoe_dist.cluster.local import (
+    SESSION_FILE,
+    alive,
+    head_args,
+    local_env,
+    ray_executable,
+    read_sessions,
+    session_processes,
+    start_node,
+    stop_sessions,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = "launcher/configs/demo.toml"  # relative to the job's working dir (the uploaded checkout)
@@ -61,8 +70,14 @@ class RayNodes:
         assert not left, f"Ray processes left running: {sorted(left)}"
 
 
-def start_head(node_ip: str = "127.0.0.1", num_cpus: int = 2, prefix: Sequence[str] = (),
-               env: Optional[Dict[str, str]] = None, port: int = 0, dashboard_port: int = 0) -> RayNodes:
+def start_head(
+    node_ip: str = "127.0.0.1",
+    num_cpus: int = 2,
+    prefix: Sequence[str] = (),
+    env: Optional[Dict[str, str]] = None,
+    port: int = 0,
+    dashboard_port: int = 0,
+) -> RayNodes:
     """A head node; the caller must call .stop(). One retry on fresh ports: `ray start` picks further ports
     of its own, and on a busy machine one of them (or ours, between free_port and its use) can be taken."""
     try:
@@ -74,11 +89,21 @@ def start_head(node_ip: str = "127.0.0.1", num_cpus: int = 2, prefix: Sequence[s
 
 def _start_head_once(node_ip, num_cpus, prefix, env, port, dashboard_port) -> RayNodes:
     temp_dir = Path(tempfile.mkdtemp(prefix="dmray-", dir="/tmp"))  # short: Ray's socket paths are limited
-    nodes = RayNodes(temp_dir, node_ip, port or free_port(), dashboard_port or free_port(), tuple(prefix),
-                     env if env is not None else local_env())
+    nodes = RayNodes(
+        temp_dir,
+        node_ip,
+        port or free_port(),
+        dashboard_port or free_port(),
+        tuple(prefix),
+        env if env is not None else local_env(),
+    )
     try:
-        start_node(head_args(node_ip, nodes.port, nodes.dashboard_port, num_cpus, str(temp_dir)),
-                   nodes.session_file, nodes.env, prefix=nodes.prefix)
+        start_node(
+            head_args(node_ip, nodes.port, nodes.dashboard_port, num_cpus, str(temp_dir)),
+            nodes.session_file,
+            nodes.env,
+            prefix=nodes.prefix,
+        )
     except BaseException:
         nodes.stop()
         shutil.rmtree(temp_dir, ignore_errors=True)
@@ -100,18 +125,50 @@ class JobResult:
         return read_records(self.out_dir, kind)
 
 
-def submit_job(nodes: RayNodes, storage: Path, name: str, settings: Sequence[str], num_workers: int = 2,
-               on_poll: Optional[Callable[[Path], None]] = None, timeout_s: float = JOB_TIMEOUT_S,
-               config: str = DEMO) -> JobResult:
+def submit_job(
+    nodes: RayNodes,
+    storage: Path,
+    name: str,
+    settings: Sequence[str],
+    num_workers: int = 2,
+    on_poll: Optional[Callable[[Path], None]] = None,
+    timeout_s: float = JOB_TIMEOUT_S,
+    config: str = DEMO,
+) -> JobResult:
     """`ray job submit` (blocking, logs tailed) of a run file (the demo config unless told: a path relative to
     the uploaded checkout, or an absolute one on this machine); on_poll(out_dir) runs while it waits."""
     submission = f"dynmoe-test-{name}-{uuid.uuid4().hex[:8]}"
-    entry = [sys.executable, "-m", "dynmoe_dist.cluster.submit", "--config", config, "--num-workers",
-             str(num_workers), "--storage-path", str(storage), "--name", name]
+    entry = [
+        sys.executable,
+        "-m",
+        "dynmoe_dist.cluster.submit",
+        "--config",
+        config,
+        "--num-workers",
+        str(num_workers),
+        "--storage-path",
+        str(storage),
+        "--name",
+        name,
+    ]
     for setting in settings:
         entry += ["--set", setting]
-    cmd = [*nodes.prefix, ray_executable(), "job", "submit", "--address", nodes.url, "--submission-id",
-           submission, "--working-dir", str(ROOT), "--runtime-env", str(ROOT / "cluster/runtime_env.yaml"), "--", *entry]
+    cmd = [
+        *nodes.prefix,
+        ray_executable(),
+        "job",
+        "submit",
+        "--address",
+        nodes.url,
+        "--submission-id",
+        submission,
+        "--working-dir",
+        str(ROOT),
+        "--runtime-env",
+        str(ROOT / "cluster/runtime_env.yaml"),
+        "--",
+        *entry,
+    ]
     log = storage / f"{name}.job.log"
     started = time.monotonic()
     with open(log, "w") as out:
@@ -119,8 +176,12 @@ def submit_job(nodes: RayNodes, storage: Path, name: str, settings: Sequence[str
         try:
             wait_job(proc, storage / name, on_poll, started + timeout_s)
         except BaseException:
-            subprocess.run([*nodes.prefix, ray_executable(), "job", "stop", "--address", nodes.url, submission],
-                           env=nodes.env, timeout=60, capture_output=True)
+            subprocess.run(
+                [*nodes.prefix, ray_executable(), "job", "stop", "--address", nodes.url, submission],
+                env=nodes.env,
+                timeout=60,
+                capture_output=True,
+            )
             proc.kill()
             proc.wait(timeout=30)
             raise

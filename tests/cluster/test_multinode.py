@@ -13,7 +13,6 @@ import subprocess
 from dataclasses import dataclass
 
 import pytest
-
 from dynmoe_dist.cluster.local import local_env, start_node
 from raytest import SETTINGS, assert_losses_equal, plans_of, start_head, submit_job
 
@@ -80,8 +79,13 @@ def namespaces():
 
 def interface_bytes(ns: str) -> int:
     """Bytes sent plus received on the namespace's veth end."""
-    done = subprocess.run(["ip", "-n", ns, "-s", "-j", "link", "show", "dev", IFNAME], check=True,
-                          capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        ["ip", "-n", ns, "-s", "-j", "link", "show", "dev", IFNAME],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     stats = json.loads(done.stdout)[0]["stats64"]
     return stats["tx"]["bytes"] + stats["rx"]["bytes"]
 
@@ -95,11 +99,18 @@ def multinode_env():
 
 def test_job_spans_two_nodes_across_a_network_interface(namespaces, reference_run, tmp_path):
     env = multinode_env()
-    head = start_head(HEAD_IP, num_cpus=1, prefix=namespaces.exec_prefix(namespaces.head), env=env,
-                      port=6380, dashboard_port=8265)
+    head = start_head(
+        HEAD_IP, num_cpus=1, prefix=namespaces.exec_prefix(namespaces.head), env=env, port=6380, dashboard_port=8265
+    )
     try:
-        worker_args = [f"--address={HEAD_IP}:{head.port}", f"--node-ip-address={WORKER_IP}", "--num-cpus=1",
-                       "--num-gpus=0", "--disable-usage-stats", f"--temp-dir={head.temp_dir / 'worker-node'}"]
+        worker_args = [
+            f"--address={HEAD_IP}:{head.port}",
+            f"--node-ip-address={WORKER_IP}",
+            "--num-cpus=1",
+            "--num-gpus=0",
+            "--disable-usage-stats",
+            f"--temp-dir={head.temp_dir / 'worker-node'}",
+        ]
         start_node(worker_args, head.session_file, env, prefix=namespaces.exec_prefix(namespaces.worker))
         before = interface_bytes(namespaces.head)
         job = submit_job(head, tmp_path, "two-nodes", SETTINGS)

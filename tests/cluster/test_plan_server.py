@@ -9,10 +9,10 @@ import asyncio
 import numpy as np
 import pytest
 import torch
-
 from dynmoe_dist.cluster.coordinator import PlanServer, merge_rank_stats, stats_from_arrays
-from dynmoe_dist.coordination import PlanMismatch, PlanRequest
+
 from dynmoe_dist.config import AdaptiveConfig
+from dynmoe_dist.coordination import PlanMismatch, PlanRequest
 from dynmoe_dist.moe import MoEConfig
 from dynmoe_dist.planning.placement import Placement
 from dynmoe_dist.planning.planner import PlannerConfig
@@ -22,8 +22,14 @@ D = 3
 
 
 def _request(version=1, step=26):
-    return PlanRequest(version=version, step=step, placements=(Placement.balanced(4, 2),),
-                       configs=(PlannerConfig(MoEConfig(num_experts=4, max_experts=6), AdaptiveConfig()),), has_discarded=(False,), dims=(D,))
+    return PlanRequest(
+        version=version,
+        step=step,
+        placements=(Placement.balanced(4, 2),),
+        configs=(PlannerConfig(MoEConfig(num_experts=4, max_experts=6), AdaptiveConfig()),),
+        has_discarded=(False,),
+        dims=(D,),
+    )
 
 
 def _arrays(counts, unrouted=None):
@@ -76,8 +82,11 @@ def test_restarted_server_rebuilds_the_window_from_resent_statistics():
         waiting.cancel()  # the actor died holding rank 0's statistics: they are gone with it
         restarted = PlanServer(2)
         # rank 1 arrives at the restarted actor; rank 0's call failed, so rank 0 sends the same again
-        return await asyncio.wait_for(asyncio.gather(restarted.submit(1, 1, _request(), RANK1),
-                                                     restarted.submit(1, 0, _request(), RANK0)), timeout=5)
+        return await asyncio.wait_for(
+            asyncio.gather(restarted.submit(1, 1, _request(), RANK1), restarted.submit(1, 0, _request(), RANK0)),
+            timeout=5,
+        )
+
     results = asyncio.run(scenario())
     assert [r[1] for r in results] == [_expected().digest()] * 2
 
@@ -90,6 +99,7 @@ def test_repeated_or_late_submission_gets_the_cached_plan():
         # the decision already taken for version 1 stands (and nobody waits for the other rank).
         again = await asyncio.wait_for(server.submit(1, 0, _request(), _arrays([0, 0, 0, 0])), timeout=5)
         return first, again
+
     first, again = asyncio.run(scenario())
     assert again[1] == first[0][1] == _expected().digest()
 
@@ -99,10 +109,12 @@ def test_a_resent_submission_replaces_the_earlier_one_of_that_rank():
         server = PlanServer(2)
         stale = asyncio.ensure_future(server.submit(1, 0, _request(), _arrays([9, 9, 9, 9])))
         await asyncio.sleep(0.01)
-        results = await asyncio.wait_for(asyncio.gather(server.submit(1, 0, _request(), RANK0),
-                                                        server.submit(1, 1, _request(), RANK1)), timeout=5)
+        results = await asyncio.wait_for(
+            asyncio.gather(server.submit(1, 0, _request(), RANK0), server.submit(1, 1, _request(), RANK1)), timeout=5
+        )
         await asyncio.wait_for(stale, timeout=5)
         return results
+
     results = asyncio.run(scenario())
     assert results[0][1] == _expected().digest()  # counts 9 would have removed nothing
 
@@ -113,6 +125,7 @@ def test_conflicting_request_for_the_same_version_is_refused():
         asyncio.ensure_future(server.submit(1, 0, _request(step=26), RANK0))
         await asyncio.sleep(0.01)
         await server.submit(1, 1, _request(step=27), RANK1)
+
     with pytest.raises(PlanMismatch, match="version 1 differs"):
         asyncio.run(scenario())
 

@@ -16,7 +16,6 @@ import urllib.parse
 import urllib.request
 
 import pytest
-
 from raytest import SETTINGS, assert_losses_equal, plans_of, read_records, submit_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
@@ -53,9 +52,17 @@ class ActorKiller:
         os.kill(self.killed_pid, signal.SIGKILL)  # a process of our own local cluster
 
     def alive_plan_actor(self):
-        query = urllib.parse.urlencode([("detail", "1"), ("filter_keys", "class_name"), ("filter_predicates", "="),
-                                        ("filter_values", "PlanActor"), ("filter_keys", "state"),
-                                        ("filter_predicates", "="), ("filter_values", "ALIVE")])
+        query = urllib.parse.urlencode(
+            [
+                ("detail", "1"),
+                ("filter_keys", "class_name"),
+                ("filter_predicates", "="),
+                ("filter_values", "PlanActor"),
+                ("filter_keys", "state"),
+                ("filter_predicates", "="),
+                ("filter_values", "ALIVE"),
+            ]
+        )
         with urllib.request.urlopen(f"{self.url}/api/v0/actors?{query}", timeout=10) as reply:
             actors = json.load(reply)["data"]["result"]["result"]
         assert len(actors) == 1, actors
@@ -64,8 +71,9 @@ class ActorKiller:
 
 def test_killed_coordinator_restarts_with_the_same_plans(ray_head, reference_run, tmp_path):
     killer = ActorKiller(ray_head.url)
-    job = submit_job(ray_head, tmp_path, "coordinator-kill", SETTINGS + ["fault.coordinator_crash_version=1"],
-                     on_poll=killer)
+    job = submit_job(
+        ray_head, tmp_path, "coordinator-kill", SETTINGS + ["fault.coordinator_crash_version=1"], on_poll=killer
+    )
     assert job.succeeded, job.output[-4000:]
     assert "injected crash with version 1 half received" in job.output
     assert "re-sending statistics for plan version 1" in job.output  # the lost half came back from its rank
@@ -78,8 +86,12 @@ def test_killed_coordinator_restarts_with_the_same_plans(ray_head, reference_run
 
 def test_killed_worker_group_restarts_from_the_last_checkpoint(ray_head, reference_run, tmp_path):
     marker = tmp_path / "worker-crashed"
-    faults = ["fault.crash_at_step=28", "fault.crash_rank=1", f"fault.crash_once_file='{marker}'",
-              "output.checkpoint_every=10"]
+    faults = [
+        "fault.crash_at_step=28",
+        "fault.crash_rank=1",
+        f"fault.crash_once_file='{marker}'",
+        "output.checkpoint_every=10",
+    ]
     job = submit_job(ray_head, tmp_path, "worker-kill", SETTINGS + faults)
     assert job.succeeded, job.output[-4000:]
     assert marker.read_text().startswith("crashed at step 28")

@@ -7,10 +7,10 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from raytest import DEMO, ROOT
 
 from dynmoe_dist.config import load_config
 from dynmoe_dist.parallel.groups import single_process
-from raytest import DEMO, ROOT
 
 HINT = "pip install 'dynmoe_dist[ray]'"
 pytestmark = pytest.mark.ray
@@ -28,8 +28,14 @@ def test_submit_entry_point_without_ray_names_the_extra(tmp_path):
     fake.mkdir()
     (fake / "__init__.py").write_text("raise ImportError('simulated: Ray is not installed')\n")
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
-    done = subprocess.run([sys.executable, "-m", "dynmoe_dist.cluster.submit", "--config", DEMO,
-                           "--num-workers", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "dynmoe_dist.cluster.submit", "--config", DEMO, "--num-workers", "2"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     assert HINT in done.stderr and "simulated: Ray is not installed" in done.stderr
 
@@ -37,6 +43,7 @@ def test_submit_entry_point_without_ray_names_the_extra(tmp_path):
 def test_submit_main_without_ray_names_the_extra(monkeypatch, capsys):
     _hide_ray(monkeypatch)
     from dynmoe_dist.cluster import submit
+
     assert submit.main(["--config", str(ROOT / DEMO), "--num-workers", "2"]) == 2
     assert HINT in capsys.readouterr().err
 
@@ -48,6 +55,7 @@ def _trainer_stub():
 def test_ray_coordinator_without_ray_names_the_extra(monkeypatch):
     _hide_ray(monkeypatch)
     from dynmoe_dist.train.run import make_coordinator
+
     with pytest.raises(ValueError, match=re.escape(HINT)):
         make_coordinator(_trainer_stub())
 
@@ -55,5 +63,6 @@ def test_ray_coordinator_without_ray_names_the_extra(monkeypatch):
 def test_ray_coordinator_outside_the_ray_entry_point_names_it():
     pytest.importorskip("ray")
     from dynmoe_dist.train.run import make_coordinator
+
     with pytest.raises(ValueError, match="needs the Ray job entry point: python -m dynmoe_dist.cluster.submit"):
         make_coordinator(_trainer_stub())

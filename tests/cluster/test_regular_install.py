@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import needs_ray
 from raytest import free_port
 
@@ -23,16 +22,34 @@ def test_ray_job_with_a_regular_install(tmp_path):
     venv = tmp_path / "venv"
     shutil.copytree(Path(sys.prefix), venv, symlinks=True)
     python = venv / "bin" / "python"
-    for args in (["uninstall", "-q", "-y", "dynmoe_dist"],
-                 ["install", "-q", "--no-deps", "--no-build-isolation", str(ROOT)]):
+    for args in (
+        ["uninstall", "-q", "-y", "dynmoe_dist"],
+        ["install", "-q", "--no-deps", "--no-build-isolation", str(ROOT)],
+    ):
         done = subprocess.run([str(python), "-m", "pip", *args], capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
     listed = subprocess.run([str(python), "-m", "pip", "show", "-f", "dynmoe_dist"], capture_output=True, text=True)
     assert "dynmoe_dist/cluster/submit.py" in listed.stdout and "__editable__" not in listed.stdout
     env = {**os.environ, "PYTHON": str(python), "RAY_PORT": str(free_port()), "RAY_DASHBOARD_PORT": str(free_port())}
-    cmd = ["sh", "launcher/ray_submit.sh", "--local", "--config", "launcher/configs/demo.toml", "--num-workers", "2",
-           "--storage-path", str(tmp_path / "runs"), "--name", "regular", "--set", "train.max_steps=30",
-           "--set", "output.report=false", "--set", "output.progress=false"]
+    cmd = [
+        "sh",
+        "launcher/ray_submit.sh",
+        "--local",
+        "--config",
+        "launcher/configs/demo.toml",
+        "--num-workers",
+        "2",
+        "--storage-path",
+        str(tmp_path / "runs"),
+        "--name",
+        "regular",
+        "--set",
+        "train.max_steps=30",
+        "--set",
+        "output.report=false",
+        "--set",
+        "output.progress=false",
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     summary = json.loads((tmp_path / "runs" / "regular" / "ray_summary.json").read_text())

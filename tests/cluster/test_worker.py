@@ -5,13 +5,13 @@ import os
 from types import SimpleNamespace
 
 import torch
-
 from dynmoe_dist.cluster.worker import record_worker_start, use_ray_gpu, worker_starts
 
 
 def _fake_ray(gpu_ids, device):
-    return SimpleNamespace(get_gpu_ids=lambda: gpu_ids,
-                           train=SimpleNamespace(torch=SimpleNamespace(get_device=lambda: device)))
+    return SimpleNamespace(
+        get_gpu_ids=lambda: gpu_ids, train=SimpleNamespace(torch=SimpleNamespace(get_device=lambda: device))
+    )
 
 
 def test_gpu_worker_takes_rays_device_index(monkeypatch):

@@ -1,9 +1,9 @@
 """Adaptive experts across ranks (gloo), against one process:
-  - a training run whose windows remove and add experts keeps world-size invariance (1 vs 2 vs 3 ranks);
-  - the same hand-made plan (remove, add, move, replicate) applied on 1 and on 3 ranks gives the same
-    model function and the same losses over the next 10 steps;
-  - a moved expert's optimizer state is bitwise equal after the move;
-  - replicas stay bitwise identical (weights and optimizer state) over several steps.
+- a training run whose windows remove and add experts keeps world-size invariance (1 vs 2 vs 3 ranks);
+- the same hand-made plan (remove, add, move, replicate) applied on 1 and on 3 ranks gives the same
+  model function and the same losses over the next 10 steps;
+- a moved expert's optimizer state is bitwise equal after the move;
+- replicas stay bitwise identical (weights and optimizer state) over several steps.
 """
 
 import functools
@@ -20,30 +20,48 @@ STEPS = 16
 
 
 def _config(ep_size):
-    return load_config(None, [
-        "moe.num_experts=5", "moe.max_experts=8", f"parallel.ep_size={ep_size}", "train.precision='float64'",
-        f"train.max_steps={STEPS}", "train.global_batch_size=12", "train.lr=0.003", "train.warmup_steps=2",
-        "task.num_samples=300", "task.max_len=10", "model.dim=16", "model.num_heads=2", "model.ffn_dim=24",
-        "model.num_layers=2", "model.moe_layers=[0, 1]", "adaptive.period_steps=6", "adaptive.expert_init='average'",
-        "adaptive.replicate_factor=1.2",
-    ])
+    return load_config(
+        None,
+        [
+            "moe.num_experts=5",
+            "moe.max_experts=8",
+            f"parallel.ep_size={ep_size}",
+            "train.precision='float64'",
+            f"train.max_steps={STEPS}",
+            "train.global_batch_size=12",
+            "train.lr=0.003",
+            "train.warmup_steps=2",
+            "task.num_samples=300",
+            "task.max_len=10",
+            "model.dim=16",
+            "model.num_heads=2",
+            "model.ffn_dim=24",
+            "model.num_layers=2",
+            "model.moe_layers=[0, 1]",
+            "adaptive.period_steps=6",
+            "adaptive.expert_init='average'",
+            "adaptive.replicate_factor=1.2",
+        ],
+    )
 
 
 def _trainer(ep_size):
     from dynmoe_dist.coordination import CollectiveCoordinator
     from dynmoe_dist.train.adaptive import AdaptiveController
     from dynmoe_dist.train.loop import Trainer
+
     trainer = Trainer(_config(ep_size))
     adaptive = AdaptiveController(trainer, CollectiveCoordinator(trainer.groups))
     layer0, layer1 = trainer.moe_layers
     with torch.no_grad():
-        layer0.router.threshold[1] = 10.0   # expert 1 of layer 0 is never chosen: removed at the first event
+        layer0.router.threshold[1] = 10.0  # expert 1 of layer 0 is never chosen: removed at the first event
         layer1.router.threshold.fill_(0.35)  # many tokens of layer 1 find no expert: one is added
     return trainer, adaptive
 
 
 def adaptive_run(ep_size):
     from dynmoe_dist.train.run import step_once
+
     trainer, adaptive = _trainer(ep_size)
     losses, experts, events = [], [], []
     for _ in range(STEPS):
@@ -69,8 +87,10 @@ def _hand_plan(ep_size, version=1, step=3):
 def _expert_state(trainer, layer_index, expert):
     for e, module in trainer.shards[layer_index].local_modules():
         if e == expert:
-            return {n: (p.detach().clone(), {k: v.clone() for k, v in trainer.optimizer.state.get(p, {}).items()})
-                    for n, p in module.named_parameters()}
+            return {
+                n: (p.detach().clone(), {k: v.clone() for k, v in trainer.optimizer.state.get(p, {}).items()})
+                for n, p in module.named_parameters()
+            }
     return None
 
 
@@ -80,11 +100,16 @@ def hand_plan_run(ep_size):
     losses = [trainer.train_step()["loss"] for _ in range(3)]
     moved_before = _expert_state(trainer, 0, 4)  # old id 4 lives on rank 2 of 3 before the plan
     adaptive.apply(_hand_plan(ep_size))
-    moved_after = _expert_state(trainer, 0, 3)   # new id 3 on rank 0 after it
+    moved_after = _expert_state(trainer, 0, 3)  # new id 3 on rank 0 after it
     losses += [trainer.train_step()["loss"] for _ in range(10)]
     replica = _expert_state(trainer, 0, 0)
-    return dict(losses=losses, moved_before=moved_before, moved_after=moved_after, replica=replica,
-                num_experts=[layer.num_experts for layer in trainer.moe_layers])
+    return dict(
+        losses=losses,
+        moved_before=moved_before,
+        moved_after=moved_after,
+        replica=replica,
+        num_experts=[layer.num_experts for layer in trainer.moe_layers],
+    )
 
 
 def world_worker(world):
@@ -141,7 +166,7 @@ def test_same_plan_on_one_and_three_ranks(three, reference):
 def test_moved_expert_keeps_optimizer_state_bitwise(three):
     results = three
     before = results[2]["hand"]["moved_before"]  # rank 2 held old expert 4
-    after = results[0]["hand"]["moved_after"]    # rank 0 holds it (new id 3) after the plan
+    after = results[0]["hand"]["moved_after"]  # rank 0 holds it (new id 3) after the plan
     assert before is not None and after is not None
     for name, (param, state) in before.items():
         assert torch.equal(param, after[name][0])

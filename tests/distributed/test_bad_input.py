@@ -7,8 +7,16 @@ import time
 from dynmoe_dist.config import load_config
 from dynmoe_dist.parallel.simulate import run_simulated
 
-BASE = ["task.num_samples=200", "task.max_len=8", "model.dim=16", "model.num_heads=2", "model.ffn_dim=16",
-        "train.max_steps=2", "train.global_batch_size=8", "adaptive.enabled=false"]
+BASE = [
+    "task.num_samples=200",
+    "task.max_len=8",
+    "model.dim=16",
+    "model.num_heads=2",
+    "model.ffn_dim=16",
+    "train.max_steps=2",
+    "train.global_batch_size=8",
+    "adaptive.enabled=false",
+]
 
 CASES = {
     "ep_size": (["parallel.ep_size=3"], r"parallel.ep_size \(3\) does not divide the world size \(4\)"),
@@ -20,6 +28,7 @@ CASES = {
 
 def _trainer_error(overrides):
     from dynmoe_dist.train.loop import Trainer
+
     try:
         Trainer(load_config(None, BASE + overrides))
     except ValueError as err:
@@ -29,6 +38,7 @@ def _trainer_error(overrides):
 
 def bad_input_worker():
     import torch.distributed as dist
+
     rank = dist.get_rank()
     errors = {}
     for name, (overrides, _) in CASES.items():
@@ -42,7 +52,9 @@ def bad_input_worker():
 def silent_rank_worker():
     """Rank 1 stalls; rank 0's first training collective must fail with a named, timed-out error."""
     import torch.distributed as dist
+
     from dynmoe_dist.train.loop import Trainer
+
     trainer = Trainer(load_config(None, BASE + ["parallel.timeout_s=3"]))
     if dist.get_rank() == 1:
         time.sleep(8)

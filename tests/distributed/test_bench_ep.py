@@ -44,6 +44,7 @@ def _forward_backward(run, x, cot):
 
 def _same_layers(groups, shapes):
     from dynmoe_dist.bench import ep_parts as parts
+
     ours = parts.our_layer(shapes, groups, "top_k")
     with torch.no_grad():
         ours.router.weight.zero_()
@@ -60,22 +61,28 @@ def _grads(module):
 
 def _compare_with_fairscale(groups, shapes):
     import fairscale.nn.moe.top2gate as top2gate
+
     from dynmoe_dist.bench import ep_parts as parts
+
     top2gate.gumbel_rsample = lambda shape, device: torch.zeros(shape, device=device)
     ours, fs = _same_layers(groups, shapes)
     x, cot = _tokens(groups.rank)
     out, x_grad = _forward_backward(lambda t: ours(t).output, x, cot)
-    fs_out, fs_x_grad = _forward_backward(
-        lambda t: fs(parts.fairscale_input(t, PER_RANK)).reshape(t.shape), x, cot)
-    return {"out": (out, fs_out), "x_grad": (x_grad, fs_x_grad),
-            "router_grad": (ours.router.weight.grad.clone(), fs.gate.wg.weight.grad.clone()),
-            "expert_grads": [(_grads(a), _grads(b)) for a, b in zip(ours.experts.experts, fs.experts)],
-            "fs_kept": parts.fairscale_kept_pairs(fs, x)}
+    fs_out, fs_x_grad = _forward_backward(lambda t: fs(parts.fairscale_input(t, PER_RANK)).reshape(t.shape), x, cot)
+    return {
+        "out": (out, fs_out),
+        "x_grad": (x_grad, fs_x_grad),
+        "router_grad": (ours.router.weight.grad.clone(), fs.gate.wg.weight.grad.clone()),
+        "expert_grads": [(_grads(a), _grads(b)) for a, b in zip(ours.experts.experts, fs.experts)],
+        "fs_kept": parts.fairscale_kept_pairs(fs, x),
+    }
 
 
 def _bytes(groups, shapes):
     import torch.distributed as dist
+
     from dynmoe_dist.bench import ep_parts as parts
+
     ours, fs = _same_layers(groups, shapes)
     x, _ = _tokens(groups.rank)
     ours.dispatcher.comm.reset()
@@ -94,12 +101,17 @@ def _bytes(groups, shapes):
     finally:
         dist.all_to_all_single = real
     expected_fs = parts.fairscale_bytes_per_direction(x.shape[0], 2 * PER_RANK, D, x.element_size())
-    return {"ours_bytes": ours.dispatcher.comm.bytes_sent, "routed": routed, "fs_sent": sent,
-            "fs_expected": expected_fs}
+    return {
+        "ours_bytes": ours.dispatcher.comm.bytes_sent,
+        "routed": routed,
+        "fs_sent": sent,
+        "fs_expected": expected_fs,
+    }
 
 
 def _calibration(groups, shapes):
     from dynmoe_dist.bench import ep_parts as parts
+
     layer = parts.our_layer(shapes, groups, "top_any")
     x = torch.randn(512, D, generator=torch.Generator().manual_seed(groups.rank))
     reached = {}
@@ -113,10 +125,14 @@ def _calibration(groups, shapes):
 def worker():
     from dynmoe_dist.bench import ep_parts as parts
     from dynmoe_dist.parallel.groups import build_groups
+
     groups = build_groups(0)
     shapes = parts.Shapes(dim=D, ffn_dim=F, experts_per_rank=PER_RANK, tokens=len(PAIRS))
-    return {"fairscale": _compare_with_fairscale(groups, shapes), "bytes": _bytes(groups, shapes),
-            "calibration": _calibration(groups, shapes)}
+    return {
+        "fairscale": _compare_with_fairscale(groups, shapes),
+        "bytes": _bytes(groups, shapes),
+        "calibration": _calibration(groups, shapes),
+    }
 
 
 @pytest.fixture(scope="module")

@@ -14,18 +14,40 @@ STEPS, SAVE_AT = 16, 9  # events after steps 4, 10, 16; step 9 is inside the thi
 
 def _config(out_dir, ep_size=0, resume=""):
     from dynmoe_dist.config import load_config
-    return load_config(None, [
-        "moe.num_experts=5", "moe.max_experts=8", f"parallel.ep_size={ep_size}", "train.precision='float64'",
-        f"train.max_steps={STEPS}", "train.global_batch_size=12", "train.lr=0.003", "train.warmup_steps=2",
-        "task.num_samples=300", "task.max_len=10", "model.dim=16", "model.num_heads=2", "model.ffn_dim=24",
-        "model.num_layers=2", "model.moe_layers=[0, 1]", "adaptive.period_steps=6",
-        "adaptive.expert_init='reuse_discarded'", "adaptive.replicate_factor=1.2",
-        f"output.out_dir='{out_dir}'", "output.progress=false", "output.tensorboard=false",
-        "output.report=false", f"output.resume='{resume}'"])
+
+    return load_config(
+        None,
+        [
+            "moe.num_experts=5",
+            "moe.max_experts=8",
+            f"parallel.ep_size={ep_size}",
+            "train.precision='float64'",
+            f"train.max_steps={STEPS}",
+            "train.global_batch_size=12",
+            "train.lr=0.003",
+            "train.warmup_steps=2",
+            "task.num_samples=300",
+            "task.max_len=10",
+            "model.dim=16",
+            "model.num_heads=2",
+            "model.ffn_dim=24",
+            "model.num_layers=2",
+            "model.moe_layers=[0, 1]",
+            "adaptive.period_steps=6",
+            "adaptive.expert_init='reuse_discarded'",
+            "adaptive.replicate_factor=1.2",
+            f"output.out_dir='{out_dir}'",
+            "output.progress=false",
+            "output.tensorboard=false",
+            "output.report=false",
+            f"output.resume='{resume}'",
+        ],
+    )
 
 
 def _tweaked_trainer(config):
     from dynmoe_dist.train.loop import Trainer
+
     trainer = Trainer(config)
     with torch.no_grad():
         trainer.moe_layers[0].router.threshold[1] = 10.0  # removed at the first event
@@ -35,6 +57,7 @@ def _tweaked_trainer(config):
 
 def full_run(out_dir):
     from dynmoe_dist.train.run import run
+
     return run(_config(out_dir), trainer=_tweaked_trainer(_config(out_dir)))
 
 
@@ -44,6 +67,7 @@ def partial_run(out_dir):
     from dynmoe_dist.train.adaptive import AdaptiveController
     from dynmoe_dist.train.checkpoint import CheckpointManager
     from dynmoe_dist.train.run import step_once
+
     trainer = _tweaked_trainer(_config(out_dir))
     adaptive = AdaptiveController(trainer, CollectiveCoordinator(trainer.groups))
     for _ in range(SAVE_AT):
@@ -54,14 +78,17 @@ def partial_run(out_dir):
 
 def resumed_run(out_dir, checkpoint, ep_size):
     from dynmoe_dist.train.run import run
+
     return run(_config(out_dir, ep_size=ep_size, resume=checkpoint))
 
 
 def _losses(out_dir):
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if r["kind"] == "step"}, \
-        [(r["step"], r["layer"], r["num_experts"]) for r in records
-         if r["kind"] == "event" and (r["removed"] or r["added"])]  # placement-only events depend on ep size
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "step"}, [
+        (r["step"], r["layer"], r["num_experts"])
+        for r in records
+        if r["kind"] == "event" and (r["removed"] or r["added"])
+    ]  # placement-only events depend on ep size
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +127,7 @@ def resume_and_report(out_dir, checkpoint, ep_size):
     """Resume (no training) and report the placements in force and the expert files this rank read."""
     from dynmoe_dist.train import checkpoint as ckpt
     from dynmoe_dist.train.loop import Trainer
+
     opened = []
     original = ckpt.load_file
 
@@ -113,14 +141,19 @@ def resume_and_report(out_dir, checkpoint, ep_size):
         ckpt.CheckpointManager(trainer).resume(checkpoint)
     finally:
         ckpt.load_file = original
-    return ([shard.placement.to_lists() for shard in trainer.shards], sorted(n for n in opened if n.startswith("experts")),
-            trainer.groups.ep_rank, trainer.step)
+    return (
+        [shard.placement.to_lists() for shard in trainer.shards],
+        sorted(n for n in opened if n.startswith("experts")),
+        trainer.groups.ep_rank,
+        trainer.step,
+    )
 
 
 def test_resume_at_the_same_ep_size_keeps_the_saved_placement(checkpoint, tmp_path):
     """Rebalanced layouts and replicas survive a resume at the same ep size (not rebuilt as the default)."""
     from dynmoe_dist.parallel.reshard import owner_files_needed
     from dynmoe_dist.planning.placement import Placement
+
     path, _ = checkpoint
     meta = torch.load(f"{path}/meta.pt", weights_only=True)
     saved = [Placement.from_lists(json.loads(p)) for p in meta["placements"]]

@@ -12,9 +12,15 @@ def _request(step):
     from dynmoe_dist.moe import MoEConfig
     from dynmoe_dist.planning.placement import Placement
     from dynmoe_dist.planning.planner import PlannerConfig
-    return PlanRequest(version=1, step=step, placements=(Placement.balanced(4, 2),),
-                       configs=(PlannerConfig(MoEConfig(dim=3, num_experts=4), AdaptiveConfig()),),
-                       has_discarded=(False,), dims=(3,))
+
+    return PlanRequest(
+        version=1,
+        step=step,
+        placements=(Placement.balanced(4, 2),),
+        configs=(PlannerConfig(MoEConfig(dim=3, num_experts=4), AdaptiveConfig()),),
+        has_discarded=(False,),
+        dims=(3,),
+    )
 
 
 def submit(diverge: bool):
@@ -23,6 +29,7 @@ def submit(diverge: bool):
     from dynmoe_dist.coordination import CollectiveCoordinator, PlanMismatch
     from dynmoe_dist.parallel.groups import build_groups
     from dynmoe_dist.planning.stats import WindowStats
+
     rank = dist.get_rank()
     stats = WindowStats.empty(4, 3, 8)
     stats.counts_E += 1.0

@@ -39,8 +39,14 @@ def _cases(world):
 
 def _layer(case):
     torch.manual_seed(case["seed"])
-    cfg = MoEConfig(dim=D, ffn_dim=F, num_experts=case["E"], router=case["router"], top_k=2,
-                    aux_losses=None if case["router"] != "top_any" else ("diverse", "simple", "load_balance", "efficiency"))
+    cfg = MoEConfig(
+        dim=D,
+        ffn_dim=F,
+        num_experts=case["E"],
+        router=case["router"],
+        top_k=2,
+        aux_losses=None if case["router"] != "top_any" else ("diverse", "simple", "load_balance", "efficiency"),
+    )
     layer = MoELayer(cfg).double()
     for p in layer.experts.parameters():
         torch.nn.init.normal_(p, std=0.5)
@@ -53,7 +59,9 @@ def _layer(case):
 def _inputs(case, world):
     g = torch.Generator().manual_seed(1000 + case["seed"])
     total = sum(TOKENS[:world])
-    return torch.randn(total, D, generator=g, dtype=torch.float64), torch.randn(total, D, generator=g, dtype=torch.float64)
+    return torch.randn(total, D, generator=g, dtype=torch.float64), torch.randn(
+        total, D, generator=g, dtype=torch.float64
+    )
 
 
 def _token_slice(rank, world):
@@ -67,14 +75,20 @@ def _run_case(case, layer, shards, x, cot, groups):
     ((res.output * cot).sum() + res.aux_loss).backward()
     GradSync(layer, groups).sync(shards)
     experts = {e: [p.grad.clone() for p in m.parameters()] for e, m in shards[0].local_modules()}
-    return dict(output=res.output.detach(), x_grad=x.grad, aux=res.aux_loss.detach(),
-                router=[p.grad.clone() for p in layer.router.parameters()], experts=experts,
-                rows_sent=getattr(getattr(layer.dispatcher, "comm", None), "rows_sent", None),
-                routed=int(res.routing.mask.sum()))
+    return dict(
+        output=res.output.detach(),
+        x_grad=x.grad,
+        aux=res.aux_loss.detach(),
+        router=[p.grad.clone() for p in layer.router.parameters()],
+        experts=experts,
+        rows_sent=getattr(getattr(layer.dispatcher, "comm", None), "rows_sent", None),
+        routed=int(res.routing.mask.sum()),
+    )
 
 
 def ep_worker(world):
     import torch.distributed as dist
+
     rank = dist.get_rank()
     groups_by_ep, results = {}, []
     for case in _cases(world):

@@ -1,12 +1,12 @@
 """FSDP2 beside expert parallelism (gloo, float64), against one process with no sharding:
 
-  - every combination of parallel.dense_sharding and parallel.expert_sharding gives the single-process
-    losses and expert counts through adaptive events (experts removed, added, moved, replicated) on 2 and
-    4 ranks (ep 2: the expert-dp groups have 1 and 2 ranks), and 3 ranks for the dense-only case;
-  - dense parameters really are sharded (each rank holds about 1/W of them);
-  - expert sharding survives a rank whose experts get no rows for several steps;
-  - activation checkpointing gives the same gradients and counts every routed token once;
-  - checkpoints resume across sharding options (replicate -> fsdp -> replicate) with the uninterrupted losses.
+- every combination of parallel.dense_sharding and parallel.expert_sharding gives the single-process
+  losses and expert counts through adaptive events (experts removed, added, moved, replicated) on 2 and
+  4 ranks (ep 2: the expert-dp groups have 1 and 2 ranks), and 3 ranks for the dense-only case;
+- dense parameters really are sharded (each rank holds about 1/W of them);
+- expert sharding survives a rank whose experts get no rows for several steps;
+- activation checkpointing gives the same gradients and counts every routed token once;
+- checkpoints resume across sharding options (replicate -> fsdp -> replicate) with the uninterrupted losses.
 """
 
 import functools
@@ -22,23 +22,46 @@ STEPS = 14
 
 
 def _config(dense="replicate", experts="replicate", ep_size=0, extra=()):
-    return load_config(None, [
-        "moe.num_experts=5", "moe.max_experts=8", f"parallel.ep_size={ep_size}", "train.precision='float64'",
-        f"train.max_steps={STEPS}", "train.global_batch_size=12", "train.lr=0.003", "train.warmup_steps=2",
-        "task.num_samples=300", "task.max_len=10", "model.dim=16", "model.num_heads=2", "model.ffn_dim=24",
-        "model.num_layers=2", "model.moe_layers=[0, 1]", "adaptive.period_steps=5", "adaptive.expert_init='average'",
-        "adaptive.replicate_factor=1.2", f"parallel.dense_sharding='{dense}'", f"parallel.expert_sharding='{experts}'",
-        "output.progress=false", "output.tensorboard=false", "output.report=false", *extra])
+    return load_config(
+        None,
+        [
+            "moe.num_experts=5",
+            "moe.max_experts=8",
+            f"parallel.ep_size={ep_size}",
+            "train.precision='float64'",
+            f"train.max_steps={STEPS}",
+            "train.global_batch_size=12",
+            "train.lr=0.003",
+            "train.warmup_steps=2",
+            "task.num_samples=300",
+            "task.max_len=10",
+            "model.dim=16",
+            "model.num_heads=2",
+            "model.ffn_dim=24",
+            "model.num_layers=2",
+            "model.moe_layers=[0, 1]",
+            "adaptive.period_steps=5",
+            "adaptive.expert_init='average'",
+            "adaptive.replicate_factor=1.2",
+            f"parallel.dense_sharding='{dense}'",
+            f"parallel.expert_sharding='{experts}'",
+            "output.progress=false",
+            "output.tensorboard=false",
+            "output.report=false",
+            *extra,
+        ],
+    )
 
 
 def _trainer(config):
     from dynmoe_dist.coordination import CollectiveCoordinator
     from dynmoe_dist.train.adaptive import AdaptiveController
     from dynmoe_dist.train.loop import Trainer
+
     trainer = Trainer(config)
     layer0, layer1 = trainer.moe_layers
     with torch.no_grad():
-        layer0.router.threshold[1] = 10.0   # never chosen: removed at the first event
+        layer0.router.threshold[1] = 10.0  # never chosen: removed at the first event
         layer1.router.threshold.fill_(0.35)  # tokens find no expert: one is added
     return trainer, AdaptiveController(trainer, CollectiveCoordinator(trainer.groups))
 
@@ -47,6 +70,7 @@ def adaptive_run(dense, experts, ep_size):
     from dynmoe_dist.parallel.fsdp import is_sharded, local
     from dynmoe_dist.parallel.reshard import dense_named_parameters
     from dynmoe_dist.train.run import step_once
+
     trainer, adaptive = _trainer(_config(dense, experts, ep_size))
     losses, counts, events = [], [], []
     for _ in range(STEPS):
@@ -107,6 +131,7 @@ def starved_run(experts):
     on zero rows every step; with expert_sharding = fsdp those ranks must still all-gather and
     reduce-scatter with their expert-dp peers."""
     from dynmoe_dist.train.loop import Trainer
+
     trainer = Trainer(_config("fsdp", experts, 2, extra=["adaptive.enabled=false"]))
     for layer in trainer.moe_layers:
         with torch.no_grad():
@@ -128,12 +153,23 @@ def _starved_both():
 
 # -- checkpoints across sharding options -------------------------------------------------------------
 def _ckpt_config(out_dir, dense, experts, resume="", steps=STEPS, ep_size=2):
-    return _config(dense, experts, ep_size, extra=[f"output.out_dir='{out_dir}'", f"output.resume='{resume}'",
-                                             "output.checkpoint_every=6", "output.keep_checkpoints=5", f"train.max_steps={steps}"])
+    return _config(
+        dense,
+        experts,
+        ep_size,
+        extra=[
+            f"output.out_dir='{out_dir}'",
+            f"output.resume='{resume}'",
+            "output.checkpoint_every=6",
+            "output.keep_checkpoints=5",
+            f"train.max_steps={steps}",
+        ],
+    )
 
 
 def run_to_end(out_dir, dense, experts, resume="", ep_size=2):
     from dynmoe_dist.train.run import run
+
     config = _ckpt_config(out_dir, dense, experts, resume, ep_size=ep_size)
     trainer, _ = _trainer(config)
     return run(config, trainer=trainer if not resume else None)
@@ -164,6 +200,7 @@ def test_checkpoints_move_between_replicate_and_fsdp(tmp_path):
 def gate_edit_run():
     from dynmoe_dist.planning.placement import Placement
     from dynmoe_dist.planning.planner import AddSpec, LayerPlan, Plan
+
     config = _config("fsdp", "fsdp", 2, extra=["train.precision='bf16'", "train.lr=0.001", "train.warmup_steps=0"])
     trainer, adaptive = _trainer(config)
     trainer.train_step()
@@ -176,8 +213,14 @@ def gate_edit_run():
     edited = (router.weight[5].detach().clone(), router.threshold[5].detach().clone())
     record = trainer.train_step()
     after = (router.weight[5].detach().clone(), router.threshold[5].detach().clone())
-    return dict(gate=torch.tensor(gate), edited=edited, after=after, dtype=str(router.weight.dtype), lr=record["lr"],
-                loss=record["loss"])
+    return dict(
+        gate=torch.tensor(gate),
+        edited=edited,
+        after=after,
+        dtype=str(router.weight.dtype),
+        lr=record["lr"],
+        loss=record["loss"],
+    )
 
 
 def test_gate_edits_survive_the_next_step_under_bf16_and_fsdp():

@@ -29,8 +29,10 @@ def hf_worker(model_dir, text_file, out_dir, world):
     from dynmoe_dist.train.checkpoint import CheckpointManager
     from dynmoe_dist.train.loop import Trainer
     from dynmoe_dist.train.run import step_once
-    config = load_config(None, hf_settings(model_dir, text_file) + [f"parallel.ep_size={world}",
-                                                                   f"output.out_dir='{out_dir}'"])
+
+    config = load_config(
+        None, hf_settings(model_dir, text_file) + [f"parallel.ep_size={world}", f"output.out_dir='{out_dir}'"]
+    )
     trainer = Trainer(config)
     adaptive = AdaptiveController(trainer, CollectiveCoordinator(trainer.groups))
     losses, counts, events = [], [], []
@@ -44,8 +46,14 @@ def hf_worker(model_dir, text_file, out_dir, world):
     trainer.model.eval()
     with torch.no_grad():  # every rank runs the same input: the expert-parallel forward, in eval mode
         logits = trainer.model(input_ids=probe_ids()).logits
-    return dict(losses=losses, counts=counts, events=events, test_loss=test_loss, logits=logits,
-                checkpoint=str(checkpoint) if checkpoint else None)
+    return dict(
+        losses=losses,
+        counts=counts,
+        events=events,
+        test_loss=test_loss,
+        logits=logits,
+        checkpoint=str(checkpoint) if checkpoint else None,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +119,12 @@ def test_checkpoint_holds_each_logical_expert_once(world, reference):
 def test_exports_of_every_world_are_the_same_model(world, reference, tmp_path):
     from dynmoe_dist.export import export
     from dynmoe_dist.hf import from_pretrained
+
     size, results = world
-    one, other = (from_pretrained(export(c, tmp_path / f"x{i}"))
-                  for i, c in enumerate((reference["checkpoint"], results[0]["checkpoint"])))
+    one, other = (
+        from_pretrained(export(c, tmp_path / f"x{i}"))
+        for i, c in enumerate((reference["checkpoint"], results[0]["checkpoint"]))
+    )
     with torch.no_grad():
         a, b = one(input_ids=probe_ids()).logits, other(input_ids=probe_ids()).logits
     assert a.dtype == torch.float64
@@ -125,6 +136,7 @@ def test_three_rank_round_trip_equals_the_trained_model(files, runs_dir, tmp_pat
     from dynmoe_dist.export import export
     from dynmoe_dist.hf import from_pretrained, moe_blocks
     from dynmoe_dist.models.hf.loading import load_tokenizer
+
     results = _cluster(3, *files, str(runs_dir))
     out = export(results[0]["checkpoint"], tmp_path / "exported")
     model = from_pretrained(out)
@@ -135,6 +147,7 @@ def test_three_rank_round_trip_equals_the_trained_model(files, runs_dir, tmp_pat
     # greedy generation of the exported model is deterministic
     tokenizer = load_tokenizer(str(out))
     prompt = tokenizer("the cat sat on", return_tensors="pt").input_ids
-    first, second = (model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-                     for _ in range(2))
+    first, second = (
+        model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.eos_token_id) for _ in range(2)
+    )
     assert first.tolist() == second.tolist() and first.shape[1] == prompt.shape[1] + 5

@@ -14,6 +14,7 @@ from dynmoe_dist.planning.placement import Placement
 
 def count_worker(world):
     import torch.distributed as dist
+
     rank = dist.get_rank()
     groups = build_groups(world)
     counts = []

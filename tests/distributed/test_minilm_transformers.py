@@ -14,12 +14,31 @@ STEPS = 4
 
 def minilm_losses(world):
     from dynmoe_dist.train.loop import Trainer
-    config = load_config(None, [
-        "task.name='minilm-sentiment'", "task.num_samples=120", "task.max_len=16", "task.seed=3",
-        "model.num_layers=2", "model.moe_layers=[1]", "model.freeze=['embeddings']", "model.bert_impl='transformers'",
-        "moe.num_experts=4", f"parallel.ep_size={world}", "train.precision='float64'", f"train.max_steps={STEPS}",
-        "train.global_batch_size=8", "train.lr=5e-5", "train.warmup_steps=1", "adaptive.enabled=false",
-        "output.progress=false", "output.tensorboard=false", "output.report=false"])
+
+    config = load_config(
+        None,
+        [
+            "task.name='minilm-sentiment'",
+            "task.num_samples=120",
+            "task.max_len=16",
+            "task.seed=3",
+            "model.num_layers=2",
+            "model.moe_layers=[1]",
+            "model.freeze=['embeddings']",
+            "model.bert_impl='transformers'",
+            "moe.num_experts=4",
+            f"parallel.ep_size={world}",
+            "train.precision='float64'",
+            f"train.max_steps={STEPS}",
+            "train.global_batch_size=8",
+            "train.lr=5e-5",
+            "train.warmup_steps=1",
+            "adaptive.enabled=false",
+            "output.progress=false",
+            "output.tensorboard=false",
+            "output.report=false",
+        ],
+    )
     trainer = Trainer(config)
     assert type(trainer.model).__name__ == "HFSentenceClassifier", type(trainer.model)
     return [trainer.train_step()["loss"] for _ in range(STEPS)]

@@ -26,6 +26,7 @@ def skewed_routing(num_tokens, seed):
 
 def rows_received(replicate: bool):
     import torch.distributed as dist
+
     rank = dist.get_rank()
     groups = build_groups(4)
     loads = skewed_routing(4 * TOKENS, 0).mask.sum(0).double().tolist()  # what a window would record

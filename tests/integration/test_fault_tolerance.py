@@ -2,7 +2,6 @@
 restart the group, which resumes from the last checkpoint and ends with the same final metrics as an
 uninterrupted run."""
 
-
 from test_torchrun import torchrun_losses
 
 
@@ -15,9 +14,21 @@ def test_killed_rank_restarts_and_finishes_the_same(tmp_path, monkeypatch):
     clean, _ = torchrun_losses(2, tmp_path / "clean", *common)
     monkeypatch.setenv("TORCHRUN_ARGS", "--max-restarts 2")
     marker = tmp_path / "crashed-once"
-    crashed, _ = torchrun_losses(2, tmp_path / "crash", *common, "--resume", "auto",
-                                 "--set", "fault.crash_at_step=25", "--set", "fault.crash_rank=1",
-                                 "--set", f"fault.crash_once_file='{marker}'", "--set", "parallel.timeout_s=30")
+    crashed, _ = torchrun_losses(
+        2,
+        tmp_path / "crash",
+        *common,
+        "--resume",
+        "auto",
+        "--set",
+        "fault.crash_at_step=25",
+        "--set",
+        "fault.crash_rank=1",
+        "--set",
+        f"fault.crash_once_file='{marker}'",
+        "--set",
+        "parallel.timeout_s=30",
+    )
     assert marker.is_file(), "the fault was never injected"
     steps = [r["step"] for r in crashed if r["kind"] == "step"]
     assert steps.count(21) == 2 and steps[-1] == 80, "steps 21..25 ran twice: resumed from step 20"

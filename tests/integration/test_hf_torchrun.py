@@ -30,7 +30,8 @@ def test_torchrun_two_ranks_matches_one_process(runs):
     events = changes(one)
     assert any(e[2] for e in events) and any(e[3] for e in events), "the run was meant to remove and add experts"
     assert changes(two) == events
-    assert [r["num_experts"] for r in two if r["kind"] == "step"] == [r["num_experts"] for r in one
-                                                                      if r["kind"] == "step"]
+    assert [r["num_experts"] for r in two if r["kind"] == "step"] == [
+        r["num_experts"] for r in one if r["kind"] == "step"
+    ]
     final_one, final_two = (next(r for r in rs if r["kind"] == "final") for rs in runs)
     assert abs(final_two["test_loss"] - final_one["test_loss"]) <= 1e-9 * final_one["test_loss"]

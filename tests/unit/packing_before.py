@@ -68,8 +68,11 @@ def place_sticky(items: List[Item], homes, ep_size: int, cap: Optional[float]) -
     bins, out = Bins(ep_size), []
     for item in _by_load(items):
         pref = _preferred(item, homes)
-        fits = pref is not None and item[0] not in bins.experts[pref] and (
-            cap is None or bins.load[pref] + item[2] <= cap + EPS)
+        fits = (
+            pref is not None
+            and item[0] not in bins.experts[pref]
+            and (cap is None or bins.load[pref] + item[2] <= cap + EPS)
+        )
         rank = pref if fits else bins.least_loaded(item[0])
         bins.put(rank, item)
         out.append((item, rank))
@@ -94,8 +97,9 @@ def _best_renaming(assigned, homes, ep_size: int) -> List[int]:
         pref = _preferred(item, homes)
         if pref is not None:
             overlap[b][pref] += 1
-    pairs = sorted(((overlap[b][r], b, r) for b in range(ep_size) for r in range(ep_size)),
-                   key=lambda t: (-t[0], t[1], t[2]))
+    pairs = sorted(
+        ((overlap[b][r], b, r) for b in range(ep_size) for r in range(ep_size)), key=lambda t: (-t[0], t[1], t[2])
+    )
     rename, used = [None] * ep_size, set()
     for _, b, r in pairs:
         if rename[b] is None and r not in used:
@@ -133,12 +137,22 @@ def _assignments(items: List[Item], homes, ep_size: int, rebalance: bool):
     if not rebalance:
         return [place_sticky(items, homes, ep_size, cap=None)]
     lpt = place_lpt(items, homes, ep_size)
-    return [place_sticky(items, homes, ep_size, cap=None),
-            place_sticky(items, homes, ep_size, cap=max_load(lpt, ep_size)), lpt]
+    return [
+        place_sticky(items, homes, ep_size, cap=None),
+        place_sticky(items, homes, ep_size, cap=max_load(lpt, ep_size)),
+        lpt,
+    ]
 
 
-def pack_experts(loads: Sequence[float], homes: Sequence[Sequence[int]], ep_size: int, *, rebalance: bool = True,
-                 replicate_factor: float = 1.5, max_replicas: int = 0) -> Tuple[Placement, int]:
+def pack_experts(
+    loads: Sequence[float],
+    homes: Sequence[Sequence[int]],
+    ep_size: int,
+    *,
+    rebalance: bool = True,
+    replicate_factor: float = 1.5,
+    max_replicas: int = 0,
+) -> Tuple[Placement, int]:
     """New placement for experts with these loads; homes[e] = ranks holding e now ([] for new experts).
 
     Among the candidates, the lowest maximum rank load wins, then the fewest replicas, then the fewest

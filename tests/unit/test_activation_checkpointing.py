@@ -12,10 +12,23 @@ from dynmoe_dist.train.loop import StepTotals, Trainer
 
 
 def _trainer(ac: str) -> Trainer:
-    config = load_config(None, [
-        "train.precision='float64'", "train.global_batch_size=8", "task.num_samples=64", "task.max_len=8",
-        "model.dim=16", "model.num_heads=2", "model.ffn_dim=24", "model.num_layers=2", "model.moe_layers=[0, 1]",
-        "moe.num_experts=4", f"train.activation_checkpointing='{ac}'", "output.progress=false"])
+    config = load_config(
+        None,
+        [
+            "train.precision='float64'",
+            "train.global_batch_size=8",
+            "task.num_samples=64",
+            "task.max_len=8",
+            "model.dim=16",
+            "model.num_heads=2",
+            "model.ffn_dim=24",
+            "model.num_layers=2",
+            "model.moe_layers=[0, 1]",
+            "moe.num_experts=4",
+            f"train.activation_checkpointing='{ac}'",
+            "output.progress=false",
+        ],
+    )
     return Trainer(config)
 
 
@@ -49,8 +62,9 @@ def test_gradients_and_statistics_equal_the_run_without_it(monkeypatch):
 
 
 def test_parameter_names_do_not_change():
-    assert [n for n, _ in _trainer("block").model.named_parameters()] == \
-        [n for n, _ in _trainer("none").model.named_parameters()]
+    assert [n for n, _ in _trainer("block").model.named_parameters()] == [
+        n for n, _ in _trainer("none").model.named_parameters()
+    ]
 
 
 def test_a_model_without_blocks_is_refused():
@@ -62,6 +76,7 @@ def test_a_model_without_blocks_is_refused():
 def test_fsdp_on_one_rank_warns_and_trains_plainly():
     from dynmoe_dist.parallel.fsdp import plan_sharding
     from dynmoe_dist.parallel.groups import single_process
+
     config = load_config(None, ["parallel.dense_sharding='fsdp'", "parallel.expert_sharding='fsdp'"])
     with pytest.warns(UserWarning, match="world of 1 rank"):
         sharding = plan_sharding(config.parallel, single_process(), bf16=False)

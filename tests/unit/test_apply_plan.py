@@ -41,18 +41,22 @@ def _cfg(layer, strategy="reuse_discarded"):
 def _apply(built, counts, strategy, discarded=None, optimizer=None):
     """Plan and apply one event; returns (layer plan, new shard, remembered discarded expert)."""
     layer, shard = built
-    lp = plan_layer(0, _stats(counts), shard.placement, _cfg(layer, strategy), has_discarded=discarded is not None,
-                    seed=5)
+    lp = plan_layer(
+        0, _stats(counts), shard.placement, _cfg(layer, strategy), has_discarded=discarded is not None, seed=5
+    )
     optimizer = optimizer or torch.optim.AdamW(layer.parameters())
     return (lp, *apply_layer_plan(lp, shard, optimizer, single_process(), discarded))
 
 
-@pytest.mark.parametrize("strategy, counts, value", [
-    ("average", [1, 1, 2, 4], (1 + 2 + 3 + 4) / 4),
-    ("weighted_average", [1, 1, 2, 4], (1 * 1 + 2 * 1 + 3 * 2 + 4 * 4) / 8),
-    ("most_activated", [1, 1, 2, 4], 4.0),
-    ("reuse_discarded", [1, 0, 2, 0], 4.0),  # experts 1 and 3 removed: the last one removed is reused
-])
+@pytest.mark.parametrize(
+    "strategy, counts, value",
+    [
+        ("average", [1, 1, 2, 4], (1 + 2 + 3 + 4) / 4),
+        ("weighted_average", [1, 1, 2, 4], (1 * 1 + 2 * 1 + 3 * 2 + 4 * 4) / 8),
+        ("most_activated", [1, 1, 2, 4], 4.0),
+        ("reuse_discarded", [1, 0, 2, 0], 4.0),  # experts 1 and 3 removed: the last one removed is reused
+    ],
+)
 def test_new_expert_weights(strategy, counts, value):
     layer, shard = _layer()
     lp, shard, _ = _apply((layer, shard), counts, strategy)

@@ -16,10 +16,28 @@ import pytest
 from dynmoe_dist.train.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["--set", "task.num_samples=64", "--set", "task.max_len=8", "--set", "model.dim=16",
-        "--set", "model.num_heads=2", "--set", "model.ffn_dim=16", "--set", "train.global_batch_size=8",
-        "--set", "train.max_steps=2", "--set", "output.progress=false", "--set", "output.tensorboard=false",
-        "--set", "output.report=false"]
+TINY = [
+    "--set",
+    "task.num_samples=64",
+    "--set",
+    "task.max_len=8",
+    "--set",
+    "model.dim=16",
+    "--set",
+    "model.num_heads=2",
+    "--set",
+    "model.ffn_dim=16",
+    "--set",
+    "train.global_batch_size=8",
+    "--set",
+    "train.max_steps=2",
+    "--set",
+    "output.progress=false",
+    "--set",
+    "output.tensorboard=false",
+    "--set",
+    "output.report=false",
+]
 
 
 def _set(*pairs):
@@ -36,10 +54,18 @@ CASES = [
     ("bool-given-yes", _set("output.progress=yes"), None, ["output.progress ('yes')", "true or false"]),
     ("bool-given-int", _set("adaptive.enabled=1"), None, ["adaptive.enabled (1)", "true or false"]),
     ("list-given-string", _set("model.freeze=embeddings"), None, ["model.freeze ('embeddings')", "list of strings"]),
-    ("list-of-ints-given-words", _set("model.moe_layers=['a']"), None,
-     ["model.moe_layers (['a'])", "list of integers"]),
-    ("pair-given-three", _set("train.betas=[0.9, 0.99, 0.999]"), None,
-     ["train.betas ([0.9, 0.99, 0.999])", "2 numbers"]),
+    (
+        "list-of-ints-given-words",
+        _set("model.moe_layers=['a']"),
+        None,
+        ["model.moe_layers (['a'])", "list of integers"],
+    ),
+    (
+        "pair-given-three",
+        _set("train.betas=[0.9, 0.99, 0.999]"),
+        None,
+        ["train.betas ([0.9, 0.99, 0.999])", "2 numbers"],
+    ),
     ("str-given-int", _set("train.precision=16"), None, ["train.precision (16)", "must be a string"]),
     ("tuple-given-string", _set("moe.aux_losses=diverse"), None, ["moe.aux_losses ('diverse')", "list of strings"]),
     ("optional-int-given-word", _set("moe.max_experts=many"), None, ["moe.max_experts ('many')", "integer"]),
@@ -51,25 +77,49 @@ CASES = [
     # task names
     ("unknown-task", _set("task.name=cifar"), None, ["task.name ('cifar')", "synthetic", "vit-mnist", "jsonl"]),
     # model shapes that cannot be built
-    ("heads-do-not-divide-dim", _set("model.dim=30", "model.num_heads=4"), None,
-     ["model.dim (30)", "model.num_heads (4)"]),
+    (
+        "heads-do-not-divide-dim",
+        _set("model.dim=30", "model.num_heads=4"),
+        None,
+        ["model.dim (30)", "model.num_heads (4)"],
+    ),
     ("moe-layer-out-of-range", _set("model.moe_layers=[2]"), None, ["model.moe_layers entry (2)", "num_layers (2)"]),
     ("moe-layer-twice", _set("model.moe_layers=[1, 1]"), None, ["model.moe_layers ([1, 1])", "twice"]),
-    ("vit-patch-does-not-tile", _set("task.name=vit-mnist", "model.patch_size=5"), None,
-     ["model.patch_size (5)", "image size"]),
-    ("minilm-too-deep", _set("task.name=minilm-sentiment", "model.num_layers=8"), None,
-     ["model.num_layers (8)", "6 layers"]),
+    (
+        "vit-patch-does-not-tile",
+        _set("task.name=vit-mnist", "model.patch_size=5"),
+        None,
+        ["model.patch_size (5)", "image size"],
+    ),
+    (
+        "minilm-too-deep",
+        _set("task.name=minilm-sentiment", "model.num_layers=8"),
+        None,
+        ["model.num_layers (8)", "6 layers"],
+    ),
     ("jsonl-without-path", _set("task.name=jsonl"), None, ["task.path ('')"]),
     ("jsonl-missing-file", _set("task.name=jsonl", "task.path={tmp}/nope.jsonl"), None, ["task.path (", "nope.jsonl"]),
     # expert parallelism against the world
     ("ep-does-not-divide-world", _set("parallel.ep_size=3"), "4", ["parallel.ep_size (3)", "world size (4"]),
     ("ep-larger-than-world", _set("parallel.ep_size=8"), "4", ["parallel.ep_size (8)", "world size (4"]),
-    ("fewer-experts-than-ep", _set("parallel.ep_size=4", "moe.num_experts=2"), "4",
-     ["moe.num_experts (2) < ep_size (4)", "parallel.ep_size"]),
-    ("fewer-experts-than-world", _set("moe.num_experts=2"), "4",
-     ["moe.num_experts (2) < ep_size (4)", "parallel.ep_size"]),
-    ("batch-smaller-than-world", _set("train.global_batch_size=6", "train.grad_accum=2"), "4",
-     ["micro-batch size (3", "train.global_batch_size 6", "world size (4)"]),
+    (
+        "fewer-experts-than-ep",
+        _set("parallel.ep_size=4", "moe.num_experts=2"),
+        "4",
+        ["moe.num_experts (2) < ep_size (4)", "parallel.ep_size"],
+    ),
+    (
+        "fewer-experts-than-world",
+        _set("moe.num_experts=2"),
+        "4",
+        ["moe.num_experts (2) < ep_size (4)", "parallel.ep_size"],
+    ),
+    (
+        "batch-smaller-than-world",
+        _set("train.global_batch_size=6", "train.grad_accum=2"),
+        "4",
+        ["micro-batch size (3", "train.global_batch_size 6", "world size (4)"],
+    ),
     ("bad-world-size-env", [], "two", ["WORLD_SIZE ('two')"]),
     # config files
     ("missing-file", ["--config", "{tmp}/missing.toml"], None, ["config file (", "missing.toml", "does not exist"]),
@@ -78,13 +128,21 @@ CASES = [
     ("unknown-section", ["--config", "{tmp}/section.toml"], None, ["unknown section [trainer]", "valid sections"]),
     ("unknown-key", ["--config", "{tmp}/key.toml"], None, ["unknown key train.learning_rate", "valid keys"]),
     ("wrong-type-in-file", ["--config", "{tmp}/type.toml"], None, ["model.num_layers ('two')", "integer"]),
-    ("set-into-non-table", ["--config", "{tmp}/nontable.toml", "--set", "train.lr=1"], None,
-     ["section [train] must be a table"]),
+    (
+        "set-into-non-table",
+        ["--config", "{tmp}/nontable.toml", "--set", "train.lr=1"],
+        None,
+        ["section [train] must be a table"],
+    ),
     ("bad-set-syntax", _set("lr=1"), None, ["section.key=value", "'lr=1'"]),
     # checkpoints
     ("resume-nonexistent", _set("output.resume=/nonexistent"), None, ["output.resume ('/nonexistent')", "meta.pt"]),
-    ("resume-dir-without-meta", _set("output.resume={tmp}/empty_ckpt"), None,
-     ["output.resume (", "empty_ckpt", "meta.pt"]),
+    (
+        "resume-dir-without-meta",
+        _set("output.resume={tmp}/empty_ckpt"),
+        None,
+        ["output.resume (", "empty_ckpt", "meta.pt"],
+    ),
 ]
 
 
@@ -140,16 +198,20 @@ SUBPROCESS_CASES = [
     ("module-train", ["-m", "dynmoe_dist.train", "--set", "train.epochs=abc"], ["train.epochs ('abc')"]),
     ("module-cli", ["-m", "dynmoe_dist.train.cli", "--set", "output.progress=yes"], ["output.progress ('yes')"]),
     # the only case that has to build the trainer: the file exists, torch.load finds it corrupt
-    ("corrupt-meta", ["-m", "dynmoe_dist.train", *TINY, "--set", "output.resume={tmp}/corrupt_ckpt",
-                      "--out-dir", "{tmp}/out"], ["corrupt_ckpt", "corrupt or unreadable"]),
+    (
+        "corrupt-meta",
+        ["-m", "dynmoe_dist.train", *TINY, "--set", "output.resume={tmp}/corrupt_ckpt", "--out-dir", "{tmp}/out"],
+        ["corrupt_ckpt", "corrupt or unreadable"],
+    ),
 ]
 
 
 @pytest.mark.parametrize("args, fragments", [c[1:] for c in SUBPROCESS_CASES], ids=[c[0] for c in SUBPROCESS_CASES])
 def test_real_command_exits_2_with_one_line(args, fragments, bad_files):
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    proc = subprocess.run([sys.executable, *_fill(args, bad_files)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, *_fill(args, bad_files)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2, proc.stderr
     _check_error_line(proc.stderr, fragments)
 
@@ -157,8 +219,14 @@ def test_real_command_exits_2_with_one_line(args, fragments, bad_files):
 def test_torchrun_launcher_fails_before_any_process_group(tmp_path):
     """Under torchrun every rank sees WORLD_SIZE=2 and refuses ep_size 3 while loading the config."""
     env = {**os.environ, "PYTHON": sys.executable}
-    proc = subprocess.run(["sh", "launcher/torchrun.sh", "2", "--set", "parallel.ep_size=3"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["sh", "launcher/torchrun.sh", "2", "--set", "parallel.ep_size=3"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("dynmoe-train: error:")]
     assert errors and all("parallel.ep_size (3) does not divide the world size (2" in e for e in errors), errors
@@ -170,8 +238,10 @@ def test_errors_from_inside_the_run_are_one_line_too(monkeypatch, capsys):
     from dynmoe_dist.train.checkpoint import CheckpointError
 
     def failing_run(config):
-        raise CheckpointError("checkpoint file x/meta.pt is corrupt or unreadable: Weights only load failed.\n\n"
-                              "Check the documentation of torch.load")
+        raise CheckpointError(
+            "checkpoint file x/meta.pt is corrupt or unreadable: Weights only load failed.\n\n"
+            "Check the documentation of torch.load"
+        )
 
     monkeypatch.setattr(run_module, "run", failing_run)
     assert main([]) == 2

@@ -13,9 +13,13 @@ from dynmoe_dist.bench.hf import check, summarize
 
 
 def _rank(dense_s, moe_s, rank=0):
-    return {"rank": rank, "active_parameters": {"dense": 1000, "moe": 1004},
-            "step_s": {"dense": dense_s, "moe": moe_s}, "step_peak_rss_mib": {"dense": 100.0 + rank, "moe": 120.0},
-            "state_mib": {"dense": 50.0, "moe": 60.0 + rank}}
+    return {
+        "rank": rank,
+        "active_parameters": {"dense": 1000, "moe": 1004},
+        "step_s": {"dense": dense_s, "moe": moe_s},
+        "step_peak_rss_mib": {"dense": 100.0 + rank, "moe": 120.0},
+        "state_mib": {"dense": 50.0, "moe": 60.0 + rank},
+    }
 
 
 def test_summary_takes_the_slowest_rank_per_step_and_checks_the_target():
@@ -36,6 +40,7 @@ def test_active_parameters_count_top_k_experts_only():
     from dynmoe_dist.bench.hf import active_parameters
     from dynmoe_dist.models.transformer import CausalLM
     from dynmoe_dist.moe import MoEConfig
+
     shape = SimpleNamespace(dim=8, num_heads=2, num_layers=1, ffn_dim=16, dropout=0.0, moe_layers=[0], patch_size=1)
     model = CausalLM(shape, MoEConfig(num_experts=4, router="top_k", top_k=1), 10, 6)
     total = sum(p.numel() for p in model.parameters())
@@ -44,11 +49,14 @@ def test_active_parameters_count_top_k_experts_only():
     assert active_parameters(model) == total - 3 * per_expert  # 4 experts, one active
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"num_layers": 0}, r"--num-layers \(0\) must be >= 1"),
-    ({"num_experts": 1}, r"--num-experts \(1\) must be >= 2"),
-    ({"moe_blocks": [0, 4]}, r"--moe-blocks \(\[0, 4\]\) must lie in 0..3"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"num_layers": 0}, r"--num-layers \(0\) must be >= 1"),
+        ({"num_experts": 1}, r"--num-experts \(1\) must be >= 2"),
+        ({"moe_blocks": [0, 4]}, r"--moe-blocks \(\[0, 4\]\) must lie in 0..3"),
+    ],
+)
 def test_bad_options_name_the_option_and_value(changes, message):
     args = SimpleNamespace(**{"num_layers": 4, "num_experts": 4, "moe_blocks": None, **changes})
     with pytest.raises(ValueError, match=message):
@@ -58,9 +66,26 @@ def test_bad_options_name_the_option_and_value(changes, message):
 @pytest.mark.slow
 def test_tiny_hf_bench_run_prints_the_comparison():
     pytest.importorskip("transformers")
-    done = subprocess.run([sys.executable, "-m", "dynmoe_dist.bench", "hf", "--num-layers", "1", "--seq-len", "16",
-                           "--batch-per-rank", "1", "--steps", "1"], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dynmoe_dist.bench",
+            "hf",
+            "--num-layers",
+            "1",
+            "--seq-len",
+            "16",
+            "--batch-per-rank",
+            "1",
+            "--steps",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["benchmark"] == "hf" and result["world"] == 2

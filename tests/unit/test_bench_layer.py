@@ -7,8 +7,15 @@ import torch
 
 from dynmoe_dist.bench import layer, measure
 from dynmoe_dist.bench.dense_dispatch import dense_dispatch_forward, dense_dispatch_tensors
-from dynmoe_dist.bench.layer_cases import (CaseSpec, build_case, build_layer, calibrate_top_any,
-                                           check_reference, make_tokens, peak_memory_mb)
+from dynmoe_dist.bench.layer_cases import (
+    CaseSpec,
+    build_case,
+    build_layer,
+    calibrate_top_any,
+    check_reference,
+    make_tokens,
+    peak_memory_mb,
+)
 from dynmoe_dist.moe.routing import Routing
 
 TINY = dict(dim=16, ffn_dim=32, num_experts=4, k=2)
@@ -81,8 +88,27 @@ def test_every_case_builds_and_steps():
 
 
 def test_json_has_figures_targets_and_scaling(capsys):
-    args = ["--tokens", "64", "--dim", "16", "--ffn-dim", "32", "--experts", "4", "--k", "2", "--repeats", "1",
-            "--warmup", "0", "--scaling", "32,64", "--scaling-repeats", "1", "--no-memory"]
+    args = [
+        "--tokens",
+        "64",
+        "--dim",
+        "16",
+        "--ffn-dim",
+        "32",
+        "--experts",
+        "4",
+        "--k",
+        "2",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--scaling",
+        "32,64",
+        "--scaling-repeats",
+        "1",
+        "--no-memory",
+    ]
     result = layer.main(args)
     assert json.loads(capsys.readouterr().out) == result
     assert result["machine"]["threads"] == 1 and result["reference_check"]["passed"]
@@ -98,9 +124,27 @@ def test_json_has_figures_targets_and_scaling(capsys):
 
 
 def test_dispatch_cap_skips_large_tokens(capsys):
-    args = ["--tokens", "32", "--dim", "16", "--ffn-dim", "32", "--experts", "4", "--repeats", "1",
-            "--warmup", "0", "--scaling", "32,64", "--scaling-repeats", "1", "--no-memory",
-            "--dispatch-max-tokens", "32"]
+    args = [
+        "--tokens",
+        "32",
+        "--dim",
+        "16",
+        "--ffn-dim",
+        "32",
+        "--experts",
+        "4",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--scaling",
+        "32,64",
+        "--scaling-repeats",
+        "1",
+        "--no-memory",
+        "--dispatch-max-tokens",
+        "32",
+    ]
     rows = layer.main(args)["scaling"]["rows"]
     assert "ms_min" in rows[0]["dense_dispatch"]
     assert "dispatch-max-tokens" in rows[1]["dense_dispatch"]["skipped"]

@@ -14,8 +14,12 @@ def _case(world, sharding, dense_state, step_s):
 
 
 def test_comparison_against_the_targets():
-    cases = [_case(2, "replicate", 400.0, 2.0), _case(2, "fsdp", 210.0, 2.4),   # 0.525 x 2 = 1.05, 1.2x
-             _case(4, "replicate", 400.0, 2.0), _case(4, "fsdp", 120.0, 2.6)]   # 0.3 x 4 = 1.2, 1.3x
+    cases = [
+        _case(2, "replicate", 400.0, 2.0),
+        _case(2, "fsdp", 210.0, 2.4),  # 0.525 x 2 = 1.05, 1.2x
+        _case(4, "replicate", 400.0, 2.0),
+        _case(4, "fsdp", 120.0, 2.6),
+    ]  # 0.3 x 4 = 1.2, 1.3x
     two, four = compare(cases)
     assert (two["dense_state_x_world"], two["step_time_fsdp_over_replicate"]) == (1.05, 1.2)
     assert two["meets_state_target"] and two["meets_time_target"]
@@ -25,8 +29,12 @@ def test_comparison_against_the_targets():
 
 @pytest.mark.slow
 def test_tiny_memory_run_shards_the_dense_state():
-    done = subprocess.run([sys.executable, "-m", "dynmoe_dist.bench", "memory", "--worlds", "2", "--num-layers", "2",
-                           "--steps", "1"], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "dynmoe_dist.bench", "memory", "--worlds", "2", "--num-layers", "2", "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     (row,) = result["comparison"]

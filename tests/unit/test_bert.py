@@ -5,13 +5,20 @@ import torch
 import torch.nn.functional as F
 
 from dynmoe_dist import MoEConfig, MoELayer, upcycle
-from dynmoe_dist.models.bert import (BertClassifier, BertConfig, BertTokenizer, convert_hf_state_dict, load_bert,
-                                     mean_pool, minilm_dir)
+from dynmoe_dist.models.bert import (
+    BertClassifier,
+    BertConfig,
+    BertTokenizer,
+    convert_hf_state_dict,
+    load_bert,
+    mean_pool,
+    minilm_dir,
+)
 
 SENTENCES = [
     "A man is playing a guitar.",
     "Someone plays an acoustic guitar on stage.",  # paraphrase of 0
-    "The stock market fell sharply today.",        # unrelated to 0 and 1
+    "The stock market fell sharply today.",  # unrelated to 0 and 1
     "It's a charming and often affecting journey.",
 ]
 
@@ -24,6 +31,7 @@ def bert():
 @pytest.fixture(scope="module")
 def hf_state():
     from safetensors.torch import load_file
+
     return load_file(str(minilm_dir() / "model.safetensors"))
 
 
@@ -36,7 +44,12 @@ def embeddings(model, texts, max_len=32):
 
 def test_config_is_read_from_config_json():
     cfg = BertConfig.from_json(minilm_dir() / "config.json")
-    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.intermediate_size) == (384, 6, 12, 1536)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.intermediate_size) == (
+        384,
+        6,
+        12,
+        1536,
+    )
     assert cfg.layer_norm_eps == 1e-12 and cfg.hidden_act == "gelu"
 
 
@@ -145,14 +158,22 @@ def test_matches_sentence_transformers(bert):
 
 # -- the same model on transformers.BertModel (model.bert_impl = 'transformers') ----------------------
 
+
 def test_freeze_names_map_the_builtin_prefixes():
     from dynmoe_dist.models.hf.minilm import freeze_names
+
     assert freeze_names(["embeddings", "layers.0", "layers.1.attn", "head", "bert.pooler"]) == [
-        "bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1.attn", "head", "bert.pooler"]
+        "bert.embeddings",
+        "bert.encoder.layer.0",
+        "bert.encoder.layer.1.attn",
+        "head",
+        "bert.pooler",
+    ]
 
 
 def test_transformers_bert_computes_the_builtin_embeddings(bert):
     from dynmoe_dist.models.hf.minilm import HFSentenceClassifier, load_minilm
+
     ours = BertClassifier(bert, num_classes=2).eval()
     hf = HFSentenceClassifier(load_minilm(), num_classes=2).eval()
     hf.head.load_state_dict(ours.head.state_dict())
@@ -166,6 +187,7 @@ def test_transformers_bert_computes_the_builtin_embeddings(bert):
 def test_transformers_bert_upcycled_matches_dense_at_eval():
     from dynmoe_dist.hf import upcycle_hf
     from dynmoe_dist.models.hf.minilm import HFSentenceClassifier, load_minilm
+
     dense = HFSentenceClassifier(load_minilm(num_layers=2), num_classes=2).eval()
     moe = HFSentenceClassifier(load_minilm(num_layers=2), num_classes=2).eval()
     moe.head.load_state_dict(dense.head.state_dict())
@@ -180,6 +202,7 @@ def test_transformers_bert_upcycled_matches_dense_at_eval():
 @pytest.mark.slow
 def test_transformers_bert_matches_sentence_transformers():
     from dynmoe_dist.models.hf.minilm import HFSentenceClassifier, load_minilm
+
     st = pytest.importorskip("sentence_transformers")
     reference = st.SentenceTransformer(str(minilm_dir()), device="cpu")
     texts = SENTENCES + ["unflinchingly bleak and desperate", "x"]

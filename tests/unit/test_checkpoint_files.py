@@ -10,9 +10,20 @@ from dynmoe_dist.train.loop import Trainer
 
 
 def _trainer(out_dir, *extra):
-    cfg = load_config(None, ["task.num_samples=120", "task.max_len=8", "model.dim=16", "model.num_heads=2",
-                             "model.ffn_dim=16", "train.global_batch_size=8", "moe.num_experts=3",
-                             f"output.out_dir='{out_dir}'", *extra])
+    cfg = load_config(
+        None,
+        [
+            "task.num_samples=120",
+            "task.max_len=8",
+            "model.dim=16",
+            "model.num_heads=2",
+            "model.ffn_dim=16",
+            "train.global_batch_size=8",
+            "moe.num_experts=3",
+            f"output.out_dir='{out_dir}'",
+            *extra,
+        ],
+    )
     return Trainer(cfg)
 
 

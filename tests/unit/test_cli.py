@@ -7,15 +7,36 @@ import pytest
 from dynmoe_dist.config import SECTIONS
 from dynmoe_dist.train.cli import main, parser
 
-TINY = ["--set", "task.num_samples=120", "--set", "task.max_len=8", "--set", "model.dim=16",
-        "--set", "model.num_heads=2", "--set", "model.ffn_dim=16", "--set", "train.global_batch_size=8",
-        "--set", "train.max_steps=6", "--set", "adaptive.period_steps=3", "--set", "output.progress=false",
-        "--set", "output.tensorboard=false", "--set", "output.report=false"]
+TINY = [
+    "--set",
+    "task.num_samples=120",
+    "--set",
+    "task.max_len=8",
+    "--set",
+    "model.dim=16",
+    "--set",
+    "model.num_heads=2",
+    "--set",
+    "model.ffn_dim=16",
+    "--set",
+    "train.global_batch_size=8",
+    "--set",
+    "train.max_steps=6",
+    "--set",
+    "adaptive.period_steps=3",
+    "--set",
+    "output.progress=false",
+    "--set",
+    "output.tensorboard=false",
+    "--set",
+    "output.report=false",
+]
 
 
 def test_help_lists_every_option():
     text = parser().format_help()
     import dataclasses
+
     for name, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
             assert f"{name}.{f.name} = " in text, f"{name}.{f.name} missing from --help"
@@ -51,9 +72,16 @@ def test_gradient_accumulation_matches_one_big_batch():
     from dynmoe_dist.train.loop import Trainer
 
     def losses(accum):
-        cfg = load_config(None, [a for a in TINY if a != "--set"] + [
-            f"train.grad_accum={accum}", "train.precision='float64'", "moe.aux_loss_weight=0.0",
-            "adaptive.enabled=false"])
+        cfg = load_config(
+            None,
+            [a for a in TINY if a != "--set"]
+            + [
+                f"train.grad_accum={accum}",
+                "train.precision='float64'",
+                "moe.aux_loss_weight=0.0",
+                "adaptive.enabled=false",
+            ],
+        )
         t = Trainer(cfg)
         return [t.train_step()["loss"] for _ in range(4)]
 

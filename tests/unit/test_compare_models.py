@@ -17,10 +17,17 @@ def _config(name, tmp_path, **kw):
 
 def test_model_list_covers_the_issue():
     assert [n for n in MODELS if MODELS[n].family != "dynmoe"] == ["dense", "top1", "top2", "top4", "top8", "top-p0.4"]
-    assert {f"dynmoe-{i}" for i in ("reuse_discarded", "average", "weighted_average", "most_activated", "random")} \
-        <= set(MODELS)
-    assert {"dynmoe-losses-four", "dynmoe-losses-paper", "dynmoe-no-diverse", "dynmoe-no-simple",
-            "dynmoe-no-load_balance", "dynmoe-no-efficiency"} <= set(MODELS)
+    assert {
+        f"dynmoe-{i}" for i in ("reuse_discarded", "average", "weighted_average", "most_activated", "random")
+    } <= set(MODELS)
+    assert {
+        "dynmoe-losses-four",
+        "dynmoe-losses-paper",
+        "dynmoe-no-diverse",
+        "dynmoe-no-simple",
+        "dynmoe-no-load_balance",
+        "dynmoe-no-efficiency",
+    } <= set(MODELS)
 
 
 def test_model_overrides_reach_the_config(tmp_path):
@@ -31,17 +38,26 @@ def test_model_overrides_reach_the_config(tmp_path):
     assert _config("top8", tmp_path).moe.top_k == 8
     assert _config("dynmoe-losses-paper", tmp_path).moe.aux_losses == ("diverse", "simple")
     no_eff = _config("dynmoe-no-efficiency", tmp_path)
-    assert (no_eff.moe.aux_losses, no_eff.adaptive.expert_init) == (("diverse", "simple", "load_balance"),
-                                                                    "reuse_discarded")
+    assert (no_eff.moe.aux_losses, no_eff.adaptive.expert_init) == (
+        ("diverse", "simple", "load_balance"),
+        "reuse_discarded",
+    )
     assert _config("dynmoe-no-diverse", tmp_path).moe.aux_losses == ("simple", "load_balance", "efficiency")
     assert _config("dynmoe-random", tmp_path).moe.aux_losses == FOUR_LOSSES  # the preset's losses
     # --dynmoe-set reaches every DynMoE model, but a loss model's own loss set wins over it
     two = ['moe.aux_losses=["diverse", "simple"]']
     assert _config("dynmoe-average", tmp_path, dynmoe_overrides=two).moe.aux_losses == ("diverse", "simple")
-    assert _config("dynmoe-no-simple", tmp_path, dynmoe_overrides=two).moe.aux_losses == \
-        ("diverse", "load_balance", "efficiency")
-    assert _config("dense", tmp_path, dynmoe_overrides=two).moe.aux_losses == ("diverse", "simple", "load_balance",
-                                                                               "efficiency")  # untouched default
+    assert _config("dynmoe-no-simple", tmp_path, dynmoe_overrides=two).moe.aux_losses == (
+        "diverse",
+        "load_balance",
+        "efficiency",
+    )
+    assert _config("dense", tmp_path, dynmoe_overrides=two).moe.aux_losses == (
+        "diverse",
+        "simple",
+        "load_balance",
+        "efficiency",
+    )  # untouched default
 
 
 def test_default_models_drop_a_duplicate_config(tmp_path):
@@ -52,10 +68,15 @@ def test_default_models_drop_a_duplicate_config(tmp_path):
 
 
 def test_minilm_preset_is_the_shortened_quickstart(tmp_path):
-    config = compare.build_config("minilm-sentiment", MODELS["top2"], 0, compare.TASK_EPOCHS["minilm-sentiment"],
-                                  tmp_path)
-    assert (config.task.max_len, config.model.moe_layers, config.moe.num_experts, config.train.epochs) == \
-        (48, [4, 5], 8, 1.0)
+    config = compare.build_config(
+        "minilm-sentiment", MODELS["top2"], 0, compare.TASK_EPOCHS["minilm-sentiment"], tmp_path
+    )
+    assert (config.task.max_len, config.model.moe_layers, config.moe.num_experts, config.train.epochs) == (
+        48,
+        [4, 5],
+        8,
+        1.0,
+    )
     assert config.model.freeze == ["embeddings", "layers.0", "layers.1", "layers.2", "layers.3"]
     assert compare.ffn_shape(config) == (384, 1536)  # the pre-trained block, not model.dim / ffn_dim
 
@@ -99,16 +120,35 @@ def test_expert_flops_formula():
 
 
 def _runs(model, finals, **extra):
-    return [RunSummary(model=model, seed=s, test_accuracy=[50.0, a], mean_k=1.0, final_k=1.0, mean_k_per_layer=[1.0],
-                       num_experts=[8], wall_s=1.0, num_steps=1, **extra) for s, a in enumerate(finals)]
+    return [
+        RunSummary(
+            model=model,
+            seed=s,
+            test_accuracy=[50.0, a],
+            mean_k=1.0,
+            final_k=1.0,
+            mean_k_per_layer=[1.0],
+            num_experts=[8],
+            wall_s=1.0,
+            num_steps=1,
+            **extra,
+        )
+        for s, a in enumerate(finals)
+    ]
 
 
 def test_paired_table_against_best_top_k_dense_and_top_p():
-    rows = [aggregate("top1", "MoE k=1", _runs("top1", [90, 90, 90]), "top_k"),
-            aggregate("top2", "MoE k=2", _runs("top2", [91, 92, 93]), "top_k"),  # best top-k: 92 at the end
-            aggregate("dense", "dense", _runs("dense", [88, 88, 88]), "dense"),
-            aggregate("dynmoe-average", "DynMoE (average)", _runs("dynmoe-average", [92, 94, 96],
-                      skip_accuracy=93.0, skip_share_per_layer=[0.25, 0.5]), "dynmoe")]
+    rows = [
+        aggregate("top1", "MoE k=1", _runs("top1", [90, 90, 90]), "top_k"),
+        aggregate("top2", "MoE k=2", _runs("top2", [91, 92, 93]), "top_k"),  # best top-k: 92 at the end
+        aggregate("dense", "dense", _runs("dense", [88, 88, 88]), "dense"),
+        aggregate(
+            "dynmoe-average",
+            "DynMoE (average)",
+            _runs("dynmoe-average", [92, 94, 96], skip_accuracy=93.0, skip_share_per_layer=[0.25, 0.5]),
+            "dynmoe",
+        ),
+    ]
     table = paired_table(rows).splitlines()
     assert table[0] == "| model | vs MoE k=2 | vs dense |"  # no top-p row: no column
     assert table[2].startswith("| DynMoE (average) | +2.00 [-0.48, +4.48], p = 0.074 | +6.00 [")
@@ -129,17 +169,30 @@ def test_attach_cost_dense_and_moe():
 
 def test_epochs_and_seeds_default_per_task(tmp_path):
     from tests.unit.test_experiments import compare_args
-    plan = compare.make_plan(compare_args(["--task", "synthetic", "--models", "top2", "--out", str(tmp_path),
-                                           "--set", "task.num_samples=160"]))
+
+    plan = compare.make_plan(
+        compare_args(
+            ["--task", "synthetic", "--models", "top2", "--out", str(tmp_path), "--set", "task.num_samples=160"]
+        )
+    )
     assert (plan.epochs, plan.seeds) == (compare.TASK_EPOCHS["synthetic"], [0, 1, 2, 3, 4])
     assert Path(plan.config("top2", 4).output.out_dir).name == "seed4"
 
 
 def test_plot_styles_keep_ten_dynmoe_models_apart():
     from dynmoe_dist.experiments.plots import _styles
+
     dyn = [aggregate(f"dynmoe-{i}", str(i), _runs("d", [1]), "dynmoe") for i in range(10)]
-    rows = [aggregate("dense", "dense", _runs("dense", [1]), "dense"), aggregate("top2", "k", _runs("t", [1]), "top_k"),
-            aggregate("top-p0.4", "p", _runs("p", [1]), "top_p"), *dyn]
+    rows = [
+        aggregate("dense", "dense", _runs("dense", [1]), "dense"),
+        aggregate("top2", "k", _runs("t", [1]), "top_k"),
+        aggregate("top-p0.4", "p", _runs("p", [1]), "top_p"),
+        *dyn,
+    ]
     styles = _styles(rows)
     assert len({tuple(styles[r.model]["color"]) for r in dyn}) == 10
-    assert (styles["dense"]["linestyle"], styles["top-p0.4"]["linestyle"], styles["top2"]["linestyle"]) == (":", "-.", "--")
+    assert (styles["dense"]["linestyle"], styles["top-p0.4"]["linestyle"], styles["top2"]["linestyle"]) == (
+        ":",
+        "-.",
+        "--",
+    )

@@ -33,15 +33,18 @@ def test_unknown_key_lists_valid_keys():
         parse_override("lr=1")
 
 
-@pytest.mark.parametrize("override, message", [
-    ("adaptive.window_start=0.7", r"window fractions \(0.7, 0.6666"),
-    ("adaptive.replicate_factor=1.0", r"replicate_factor \(1.0\)"),
-    ("adaptive.expert_init=copy", r"expert_init \('copy'\)"),
-    ("train.global_batch_size=0", r"global_batch_size \(0\)"),
-    ("moe.max_experts=2", r"max_experts \(2\) < num_experts \(8\)"),
-    ("moe.min_experts=9", r"min_experts \(9\) > num_experts \(8\)"),
-    ("parallel.ep_size=-1", r"ep_size \(-1\)"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("adaptive.window_start=0.7", r"window fractions \(0.7, 0.6666"),
+        ("adaptive.replicate_factor=1.0", r"replicate_factor \(1.0\)"),
+        ("adaptive.expert_init=copy", r"expert_init \('copy'\)"),
+        ("train.global_batch_size=0", r"global_batch_size \(0\)"),
+        ("moe.max_experts=2", r"max_experts \(2\) < num_experts \(8\)"),
+        ("moe.min_experts=9", r"min_experts \(9\) > num_experts \(8\)"),
+        ("parallel.ep_size=-1", r"ep_size \(-1\)"),
+    ],
+)
 def test_bad_values_name_field_and_value(override, message):
     with pytest.raises(ValueError, match=message):
         load_config(None, [override])
@@ -59,22 +62,48 @@ def test_digest_ignores_output_section():
     assert a.digest() != load_config(None, ["train.lr=0.5"]).digest()
 
 
-@pytest.mark.parametrize("value, annotation, ok", [
-    (3, int, True), (True, int, False), (3.0, int, False),
-    (3, float, True), (2.5, float, True), (False, float, False), ("2", float, False),
-    (True, bool, True), (1, bool, False), ("yes", bool, False), ("x", str, True), (1, str, False),
-    ([1, 2], List[int], True), ([1, "2"], List[int], False), ("a", List[str], False), ([], List[str], True),
-    ([0.9, 1], Tuple[float, float], True), ([0.9], Tuple[float, float], False),
-    (["a", "b"], Tuple[str, ...], True), (None, Optional[int], True), (4, Optional[int], True),
-    ("4", Optional[int], False), (None, int | None, True), ("x", int | None, False),
-])
+@pytest.mark.parametrize(
+    "value, annotation, ok",
+    [
+        (3, int, True),
+        (True, int, False),
+        (3.0, int, False),
+        (3, float, True),
+        (2.5, float, True),
+        (False, float, False),
+        ("2", float, False),
+        (True, bool, True),
+        (1, bool, False),
+        ("yes", bool, False),
+        ("x", str, True),
+        (1, str, False),
+        ([1, 2], List[int], True),
+        ([1, "2"], List[int], False),
+        ("a", List[str], False),
+        ([], List[str], True),
+        ([0.9, 1], Tuple[float, float], True),
+        ([0.9], Tuple[float, float], False),
+        (["a", "b"], Tuple[str, ...], True),
+        (None, Optional[int], True),
+        (4, Optional[int], True),
+        ("4", Optional[int], False),
+        (None, int | None, True),
+        ("x", int | None, False),
+    ],
+)
 def test_value_types_follow_the_annotation(value, annotation, ok):
     assert conforms(value, annotation) is ok
 
 
 def test_type_descriptions_and_unsupported_annotations():
     assert [describe(a) for a in (int, float, bool, List[str], Tuple[float, float], Optional[Tuple[str, ...]])] == [
-        "an integer", "a number", "true or false", "a list of strings", "a list of 2 numbers", "a list of strings"]
+        "an integer",
+        "a number",
+        "true or false",
+        "a list of strings",
+        "a list of 2 numbers",
+        "a list of strings",
+    ]
     with pytest.raises(TypeError, match="not supported"):
         conforms({}, dict)
 

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from dynmoe_dist.kernels import grouped_mm, grouped_mm_reference, grouped_mm_supports
 
 from dynmoe_dist.moe import ExpertBank, MoEConfig
-from dynmoe_dist.kernels import grouped_mm, grouped_mm_reference, grouped_mm_supports
 from dynmoe_dist.moe.experts import reference_forward
 from dynmoe_dist.moe.layer import LocalDispatcher
 from dynmoe_dist.moe.permute import replica_index, routed_pairs, sort_by_slot
@@ -78,8 +78,13 @@ def test_experts_with_no_rows_and_all_k_zero():
     rows, counts, meta = d.dispatch(x, routing)
     assert counts.tolist() == [0, 0, 5, 0, 0]
     torch.testing.assert_close(d.combine(bank(rows, counts), meta), bank.experts[2](x))
-    empty = Routing(torch.zeros(5, E, dtype=torch.bool), torch.zeros(5, E, dtype=torch.float64),
-                    torch.zeros(5, dtype=torch.long), torch.zeros(5, E), None)
+    empty = Routing(
+        torch.zeros(5, E, dtype=torch.bool),
+        torch.zeros(5, E, dtype=torch.float64),
+        torch.zeros(5, dtype=torch.long),
+        torch.zeros(5, E),
+        None,
+    )
     rows, counts, meta = d.dispatch(x, empty)
     assert rows.shape == (0, D)
     assert d.combine(bank(rows, counts), meta).abs().sum() == 0
@@ -128,11 +133,19 @@ def test_grouped_mm_kernel_matches_loop_in_fp32():
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows_dtype, needs", [(torch.float64, (True, True)), (torch.float64, (True, False)),
-                                               (torch.float64, (False, True)), (torch.bfloat16, (True, True))])
+@pytest.mark.parametrize(
+    "rows_dtype, needs",
+    [
+        (torch.float64, (True, True)),
+        (torch.float64, (True, False)),
+        (torch.float64, (False, True)),
+        (torch.bfloat16, (True, True)),
+    ],
+)
 def test_combine_rows_matches_mul_index_add_composition(rows_dtype, needs):
     # combine_rows is one autograd node with a hand-written backward; the plain composition is the spec.
     from dynmoe_dist.moe.permute import combine_rows
+
     g = torch.Generator().manual_seed(0)
     token = torch.tensor([2, 0, 2, 1, 0])  # token 2 gets two rows, token 3 none
     rows = torch.randn(5, D, generator=g, dtype=torch.float64).to(rows_dtype).requires_grad_(needs[0])
@@ -162,7 +175,9 @@ def test_grouped_mm_kernel_matches_its_reference():
 def test_replica_row_counts_match_replica_index():
     """The per-replica counts computed from the expert counts alone equal what replica_index assigns."""
     import torch
+
     from dynmoe_dist.moe.permute import replica_index, replica_row_counts
+
     g = torch.Generator().manual_seed(0)
     for _ in range(30):
         num_experts = int(torch.randint(1, 6, (1,), generator=g))

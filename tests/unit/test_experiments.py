@@ -13,8 +13,14 @@ from dynmoe_dist.experiments import __main__ as experiments_main
 from dynmoe_dist.experiments import compare
 from dynmoe_dist.experiments.plots import draw_comparison
 from dynmoe_dist.experiments.probe import FIELDS, RoutingProbe, _LayerHook, add_totals, routing_summary
-from dynmoe_dist.experiments.summary import (RunSummary, accuracy_by_epoch, aggregate, markdown_table,
-                                             summarise_run, table_epochs)
+from dynmoe_dist.experiments.summary import (
+    RunSummary,
+    accuracy_by_epoch,
+    aggregate,
+    markdown_table,
+    summarise_run,
+    table_epochs,
+)
 from dynmoe_dist.moe.routing import Routing
 from dynmoe_dist.train.telemetry import read_metrics
 
@@ -63,9 +69,19 @@ def test_summarise_run_needs_a_final_record():
 
 
 def _run(seed, accuracy, mean_k, experts, model="top2"):
-    return RunSummary(model=model, seed=seed, test_accuracy=accuracy, mean_k=mean_k, final_k=mean_k,
-                      mean_k_per_layer=[mean_k], num_experts=experts, wall_s=10.0 + seed, eval_k=mean_k,
-                      last_epoch_k0_share=0.1 * seed, num_steps=20)
+    return RunSummary(
+        model=model,
+        seed=seed,
+        test_accuracy=accuracy,
+        mean_k=mean_k,
+        final_k=mean_k,
+        mean_k_per_layer=[mean_k],
+        num_experts=experts,
+        wall_s=10.0 + seed,
+        eval_k=mean_k,
+        last_epoch_k0_share=0.1 * seed,
+        num_steps=20,
+    )
 
 
 def test_aggregate_mean_and_sample_std_over_seeds():
@@ -76,8 +92,10 @@ def test_aggregate_mean_and_sample_std_over_seeds():
     assert (row.num_experts, row.wall_s, row.last_epoch_k0_share) == ([8.0, 9.5], 10.5, pytest.approx(0.05))
     assert row.ms_per_step == pytest.approx(1000 * (10 / 20 + 11 / 20) / 2)  # 525 ms
     table = markdown_table([row])
-    assert "| DynMoE (average) | **55.00 ± 7.07** | **80.00 ± 14.14** | 3.00 ± 1.41 | 3.00 | 3.00 | 5.0 | 8/9.5 " \
-        "| - | - | 525 |" in table  # no top-k row: nothing to reach
+    assert (
+        "| DynMoE (average) | **55.00 ± 7.07** | **80.00 ± 14.14** | 3.00 ± 1.41 | 3.00 | 3.00 | 5.0 | 8/9.5 "
+        "| - | - | 525 |" in table
+    )  # no top-k row: nothing to reach
 
 
 def test_aggregate_rejects_seeds_with_different_epochs():
@@ -86,8 +104,10 @@ def test_aggregate_rejects_seeds_with_different_epochs():
 
 
 def test_markdown_table_one_seed_bolds_the_best_of_each_column():
-    rows = [aggregate("top2", "MoE k=2", [_run(0, [55.0, 80.0], 2, [8, 8])], "top_k"),
-            aggregate("dynmoe-average", "DynMoE (average)", [_run(0, [50.0, 81.0], 1.25, [9, 6])], "dynmoe")]
+    rows = [
+        aggregate("top2", "MoE k=2", [_run(0, [55.0, 80.0], 2, [8, 8])], "top_k"),
+        aggregate("dynmoe-average", "DynMoE (average)", [_run(0, [50.0, 81.0], 1.25, [9, 6])], "dynmoe"),
+    ]
     rows[1].flops_train, rows[1].flops_eval = 5000.0, 12000.0
     assert markdown_table(rows).splitlines() == [
         "| model | 1 | 2 | mean k | final k | eval k | k=0 % | experts | kFLOP/token train / eval "
@@ -108,9 +128,14 @@ def test_table_epochs():
 
 @pytest.mark.parametrize("num_seeds", [1, 2])
 def test_draw_comparison_writes_a_png(tmp_path, num_seeds):
-    rows = [aggregate("top2", "MoE k=2", [_run(s, [55.0, 80.0 + s], 2, [8, 8]) for s in range(num_seeds)]),
-            aggregate("dynmoe-average", "DynMoE (average)",
-                      [_run(s, [50.0, 81.0], 1.5, [9, 6], "dynmoe-average") for s in range(num_seeds)])]
+    rows = [
+        aggregate("top2", "MoE k=2", [_run(s, [55.0, 80.0 + s], 2, [8, 8]) for s in range(num_seeds)]),
+        aggregate(
+            "dynmoe-average",
+            "DynMoE (average)",
+            [_run(s, [50.0, 81.0], 1.5, [9, 6], "dynmoe-average") for s in range(num_seeds)],
+        ),
+    ]
     out = draw_comparison(rows, tmp_path / "sub" / "comparison.png", title="t")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
@@ -129,19 +154,20 @@ def test_routing_probe_counts_k0_and_restarts_recent_counts_at_mode_changes():
     hook = _LayerHook(probe, 0)
     train, evaluate = SimpleNamespace(training=True), SimpleNamespace(training=False)
     one_empty = _routing([[1, 0, 0], [0, 0, 0], [1, 1, 0]], [1, 0, 2])  # token 1 selected nothing
-    hook(train, None, one_empty)                         # epoch 1: 3 tokens, 1 with k = 0
+    hook(train, None, one_empty)  # epoch 1: 3 tokens, 1 with k = 0
     hook(evaluate, None, _routing([[1, 1, 1]] * 3, [3, 3, 3]))  # superseded by the next evaluation
     hook(train, None, _routing([[1, 1, 0]] * 3, [2, 2, 2]))  # epoch 2: recent counts restart
     fallback = _routing([[1, 0, 0], [0, 0, 0], [1, 1, 0]], [1, 1, 2])  # eval: token 1 fell back to top-1
     hook(evaluate, None, fallback)
-    hook(evaluate, None, fallback)                       # consecutive eval batches add up
+    hook(evaluate, None, fallback)  # consecutive eval batches add up
     totals = probe.totals()
     assert totals["train_tokens"] == [6.0] and totals["train_k0"] == [1.0]
     assert totals["recent_train_tokens"] == [3.0] and totals["recent_train_k0"] == [0.0]
     assert (totals["eval_tokens"], totals["eval_k_sum"], totals["eval_fallback"]) == ([6.0], [8.0], [2.0])
     shares = routing_summary(add_totals([totals, totals]))  # two identical ranks: same shares
-    assert shares == pytest.approx({"train_k0_share": 1 / 6, "last_epoch_k0_share": 0.0, "eval_k": 8 / 6,
-                                    "eval_fallback_share": 2 / 6})
+    assert shares == pytest.approx(
+        {"train_k0_share": 1 / 6, "last_epoch_k0_share": 0.0, "eval_k": 8 / 6, "eval_fallback_share": 2 / 6}
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -162,8 +188,9 @@ def test_option_errors_name_the_value():
 
 def test_build_config_gives_every_model_the_same_budget(tmp_path):
     top4 = compare.build_config("vit-mnist", compare.MODELS["top4"], 7, 3, tmp_path, ["train.lr=0.01"], eval_every=62)
-    dyn = compare.build_config("vit-mnist", compare.MODELS["dynmoe-most_activated"], 7, 3, tmp_path, ["train.lr=0.01"],
-                               eval_every=62)
+    dyn = compare.build_config(
+        "vit-mnist", compare.MODELS["dynmoe-most_activated"], 7, 3, tmp_path, ["train.lr=0.01"], eval_every=62
+    )
     assert (top4.moe.router, top4.moe.top_k, top4.adaptive.enabled) == ("top_k", 4, False)
     assert (dyn.moe.router, dyn.adaptive.enabled, dyn.adaptive.expert_init) == ("top_any", True, "most_activated")
     for section in ("task", "model", "train"):
@@ -175,17 +202,35 @@ def test_build_config_gives_every_model_the_same_budget(tmp_path):
 
 def test_dynmoe_set_reaches_only_dynmoe_runs(tmp_path):
     paper_losses = ['moe.aux_losses=["diverse", "simple"]']
-    top2, dyn = (compare.build_config("synthetic", compare.MODELS[name], 0, 1, tmp_path, dynmoe_overrides=paper_losses)
-                 for name in ("top2", "dynmoe-average"))
+    top2, dyn = (
+        compare.build_config("synthetic", compare.MODELS[name], 0, 1, tmp_path, dynmoe_overrides=paper_losses)
+        for name in ("top2", "dynmoe-average")
+    )
     assert (top2.moe.aux_losses, dyn.moe.aux_losses) == (("switch",), ("diverse", "simple"))
     with pytest.raises(ValueError, match="adaptive.expert_init is set by compare"):
-        compare.build_config("synthetic", compare.MODELS["top2"], 0, 1, tmp_path,
-                             dynmoe_overrides=["adaptive.expert_init='random'"])
+        compare.build_config(
+            "synthetic", compare.MODELS["top2"], 0, 1, tmp_path, dynmoe_overrides=["adaptive.expert_init='random'"]
+        )
 
 
-TINY = ["--task", "synthetic", "--epochs", "1", "--models", "top2,dense,dynmoe-average", "--seeds", "0,1",
-        "--set", "task.num_samples=160", "--set", "model.dim=16", "--set", "model.ffn_dim=16",
-        "--set", "train.global_batch_size=16"]
+TINY = [
+    "--task",
+    "synthetic",
+    "--epochs",
+    "1",
+    "--models",
+    "top2,dense,dynmoe-average",
+    "--seeds",
+    "0,1",
+    "--set",
+    "task.num_samples=160",
+    "--set",
+    "model.dim=16",
+    "--set",
+    "model.ffn_dim=16",
+    "--set",
+    "train.global_batch_size=16",
+]
 
 
 def test_compare_end_to_end_on_the_synthetic_task(tmp_path, capsys):
@@ -208,8 +253,17 @@ def test_compare_end_to_end_on_the_synthetic_task(tmp_path, capsys):
     assert 0 <= dyn["skip_accuracy"] <= 100 and len(dyn["skip_share_per_layer"]) == 2
     assert dyn["ms_per_step"] > 0 and set(results["paired"]["dynmoe-average"]) == {"top2", "dense"}
     markdown = (tmp_path / "results.md").read_text()
-    for text in ("| MoE k=2 |", "| dense (no MoE) |", "| DynMoE (average) |", "![comparison]", "reaches best top-k",
-                 "kFLOP/token", "ms/step", "| vs MoE k=2 | vs dense (no MoE) |", "acc, eval_k0 = skip"):
+    for text in (
+        "| MoE k=2 |",
+        "| dense (no MoE) |",
+        "| DynMoE (average) |",
+        "![comparison]",
+        "reaches best top-k",
+        "kFLOP/token",
+        "ms/step",
+        "| vs MoE k=2 | vs dense (no MoE) |",
+        "acc, eval_k0 = skip",
+    ):
         assert text in markdown
     assert (tmp_path / "comparison.png").stat().st_size > 0 and result["rows"][0].label == "MoE k=2"
 
@@ -221,8 +275,9 @@ def test_compare_end_to_end_on_the_synthetic_task(tmp_path, capsys):
     assert again[2].skip_accuracy == result["rows"][2].skip_accuracy  # read back from routing.json
     assert sum("reusing" in line for line in log) == 6
     log.clear()
-    plan = compare.make_plan(compare_args(TINY + ["--out", str(tmp_path), "--set", "train.lr=0.01", "--models", "top2",
-                                                  "--seeds", "0"]))
+    plan = compare.make_plan(
+        compare_args(TINY + ["--out", str(tmp_path), "--set", "train.lr=0.01", "--models", "top2", "--seeds", "0"])
+    )
     compare.run_plan(plan, log=log.append)
     assert "reusing" not in log[0] and "top2 seed 0: done" in log[0]
 
@@ -234,6 +289,7 @@ def test_routing_json_of_an_earlier_version_is_still_read():
 
 def compare_args(argv):
     import argparse
+
     parser = argparse.ArgumentParser()
     compare.add_arguments(parser)
     return parser.parse_args(argv)

@@ -12,7 +12,7 @@ from dynmoe_dist.parallel.migrate import expert_with
 
 def test_gelu_tanh_is_gpt2_gelu_new():
     x = torch.linspace(-4, 4, 41, dtype=torch.float64)
-    want = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    want = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
     torch.testing.assert_close(ACTIVATION_FNS["gelu_tanh"](x), want, rtol=0, atol=1e-12)
     # and it is not the erf GELU (differs by ~1e-3 near |x| = 2)
     assert (ACTIVATION_FNS["gelu"](x) - want).abs().max() > 1e-4
@@ -50,8 +50,7 @@ def test_gated_param_specs_follow_the_config():
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 def test_gated_bank_grouped_matches_loop_and_reference(bias, activation):
     torch.manual_seed(0)
-    cfg = MoEConfig(dim=16, ffn_dim=32, num_experts=3, expert_kind="gated", expert_bias=bias,
-                    activation=activation)
+    cfg = MoEConfig(dim=16, ffn_dim=32, num_experts=3, expert_kind="gated", expert_bias=bias, activation=activation)
     bank = ExpertBank.fresh(cfg, 3)
     for p in bank.parameters():
         torch.nn.init.normal_(p, std=0.3)
@@ -65,8 +64,7 @@ def test_gated_bank_grouped_matches_loop_and_reference(bias, activation):
         outs[mode] = bank(x, counts_e)
         outs[mode].square().sum().backward()
         # the loop never touches expert 1 (no grad); the grouped path gives it zero gradients
-        grads[mode] = [x.grad] + [torch.zeros_like(p) if p.grad is None else p.grad.clone()
-                                  for p in bank.parameters()]
+        grads[mode] = [x.grad] + [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in bank.parameters()]
         bank.zero_grad(set_to_none=True)
     torch.testing.assert_close(outs["loop"], want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(outs["grouped_mm"], want, rtol=1e-5, atol=1e-6)
@@ -77,6 +75,7 @@ def test_gated_bank_grouped_matches_loop_and_reference(bias, activation):
 def test_bank_rejects_wrong_expert_kind():
     cfg = MoEConfig(dim=4, ffn_dim=8, num_experts=1, expert_kind="gated")
     from dynmoe_dist.moe import FeedForward
+
     with pytest.raises(ValueError, match=r"expert_kind \('gated'\) needs GatedFeedForward"):
         ExpertBank(cfg, [FeedForward(4, 8)])
 

@@ -50,12 +50,14 @@ def test_runner_isolates_failures_timeouts_and_skips():
     def skip(ctx):
         raise gpu.Skip("not here")
 
-    sections = [gpu.Section("raises", boom, 5, needs_cuda=False),
-                gpu.Section("hangs", lambda ctx: _busy(10) or {}, 1, needs_cuda=False),
-                gpu.Section("skips", skip, 5, needs_cuda=False),
-                gpu.Section("wrong", lambda ctx: {"passed": False, "summary": "off"}, 5, needs_cuda=False),
-                gpu.Section("cuda only", lambda ctx: {}, 5, needs_cuda=True),
-                gpu.Section("fine", lambda ctx: {"summary": "ok"}, 5, needs_cuda=False)]
+    sections = [
+        gpu.Section("raises", boom, 5, needs_cuda=False),
+        gpu.Section("hangs", lambda ctx: _busy(10) or {}, 1, needs_cuda=False),
+        gpu.Section("skips", skip, 5, needs_cuda=False),
+        gpu.Section("wrong", lambda ctx: {"passed": False, "summary": "off"}, 5, needs_cuda=False),
+        gpu.Section("cuda only", lambda ctx: {}, 5, needs_cuda=True),
+        gpu.Section("fine", lambda ctx: {"summary": "ok"}, 5, needs_cuda=False),
+    ]
     started = time.monotonic()
     records = gpu.run_sections(sections, {"cuda": False}, budget_s=60)
     assert time.monotonic() - started < 5  # the hanging section lost only its own cap
@@ -86,9 +88,14 @@ def test_unknown_section_is_rejected(tmp_path):
 
 def _rehearse(tmp_path, only):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run([sys.executable, "-m", "dynmoe_dist.bench", "gpu", "--out", str(tmp_path),
-                           "--rehearse-on-cpu", "--only", only], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "dynmoe_dist.bench", "gpu", "--out", str(tmp_path), "--rehearse-on-cpu", "--only", only],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     gpu.check_schema(report)
@@ -127,7 +134,8 @@ gpu.main(["--out", sys.argv[1]])
 import dynmoe_dist.kernels
 stdlib = set(sys.stdlib_module_names) | {"cython_runtime"}
 new = {m.split(".")[0] for m in set(sys.modules) - baseline if not m.startswith("_")} - stdlib
-print(json.dumps({"new": sorted(new), "allowed": sorted(gpu_sections.ALLOWED_IMPORTS | gpu_sections.torch_requirements()),
+allowed = gpu_sections.ALLOWED_IMPORTS | gpu_sections.torch_requirements()
+print(json.dumps({"new": sorted(new), "allowed": sorted(allowed),
                   "dynmoe_dist": __import__("dynmoe_dist").__file__, "kernels": dynmoe_dist.kernels.__file__}))
 """
 
@@ -135,8 +143,14 @@ print(json.dumps({"new": sorted(new), "allowed": sorted(gpu_sections.ALLOWED_IMP
 def test_plain_checkout_runs_and_imports_only_what_the_gpu_machine_has(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
-    done = subprocess.run([sys.executable, "-c", PLAIN_CHECKOUT, str(tmp_path)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", PLAIN_CHECKOUT, str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["kernels"] == str(ROOT / "kernels" / "__init__.py")

@@ -30,15 +30,15 @@ def test_hand_worked_threshold():
     # 3 of 100 tokens with k = 0: share 0.03
     window = _window(100, 3)
     assert (window.num_tokens, window.num_unrouted) == (100.0, 3.0)
-    assert _num_added(window, 0.0) == 1    # the reference: any unrouted token adds an expert
-    assert _num_added(window, 0.02) == 1   # 0.03 > 0.02
-    assert _num_added(window, 0.03) == 0   # not strictly above
+    assert _num_added(window, 0.0) == 1  # the reference: any unrouted token adds an expert
+    assert _num_added(window, 0.02) == 1  # 0.03 > 0.02
+    assert _num_added(window, 0.03) == 0  # not strictly above
     assert _num_added(window, 0.5) == 0
     assert _num_added(_window(100, 0), 0.0) == 0  # nobody unrouted: no add, whatever the share
 
 
 def test_wants_new_expert_is_the_rule_alone():
-    assert wants_new_expert(_window(10, 6), AdaptiveConfig(min_unrouted_share=0.5))      # 0.6 > 0.5
+    assert wants_new_expert(_window(10, 6), AdaptiveConfig(min_unrouted_share=0.5))  # 0.6 > 0.5
     assert not wants_new_expert(_window(10, 5), AdaptiveConfig(min_unrouted_share=0.5))  # 0.5 is not above
 
 

@@ -32,14 +32,29 @@ def text_file(tmp_path_factory):
 
 
 def config_for(model_dir, text_file, *extra):
-    return load_config(None, [
-        "task.name='causal-lm'", f"task.path='{text_file}'", f"task.tokenizer='{model_dir}'", "task.max_len=8",
-        "model.source='hf'", f"model.path='{model_dir}'", f"model.num_layers={NUM_LAYERS}", "model.moe_layers=[1, 2]",
-        "moe.num_experts=3", "train.global_batch_size=6", "train.max_steps=3", "adaptive.enabled=false", *extra])
+    return load_config(
+        None,
+        [
+            "task.name='causal-lm'",
+            f"task.path='{text_file}'",
+            f"task.tokenizer='{model_dir}'",
+            "task.max_len=8",
+            "model.source='hf'",
+            f"model.path='{model_dir}'",
+            f"model.num_layers={NUM_LAYERS}",
+            "model.moe_layers=[1, 2]",
+            "moe.num_experts=3",
+            "train.global_batch_size=6",
+            "train.max_steps=3",
+            "adaptive.enabled=false",
+            *extra,
+        ],
+    )
 
 
 def test_pack_hand_worked(model_dir):
     from dynmoe_dist.models.hf.loading import load_tokenizer
+
     tok = load_tokenizer(str(model_dir))
     ids = {w: tok.convert_tokens_to_ids(w) for w in ("the", "cat", "dog", "<eos>")}
     # stream: the cat <eos> dog <eos> the  -> L=2 windows of 3: [the cat <eos>] [dog <eos> the]
@@ -103,6 +118,7 @@ def test_loss_sums_are_world_size_invariant(model_dir, text_file):
 def test_build_model_upcycles_freezes_and_trains(model_dir, text_file):
     from dynmoe_dist.moe.layer import find_moe_layers
     from dynmoe_dist.train.loop import Trainer
+
     config = config_for(model_dir, text_file, "model.freeze=['model.embed_tokens', 'model.layers.0']")
     trainer = Trainer(config)
     assert len(find_moe_layers(trainer.model)) == 2
@@ -143,8 +159,10 @@ def test_gguf_that_does_not_parse(tmp_path, text_file, model_dir):
 
 def test_architecture_without_known_mlp(tmp_path, text_file, model_dir):
     import transformers as tf
-    cfg = tf.GPTNeoXConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                           num_attention_heads=2)
+
+    cfg = tf.GPTNeoXConfig(
+        vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
     tf.GPTNeoXForCausalLM(cfg).save_pretrained(tmp_path)
     config = config_for(model_dir, text_file, "model.num_layers=1", "model.moe_layers=[0]")
     config.model.path = str(tmp_path)
@@ -175,6 +193,7 @@ def test_trainer_fails_before_any_process_group(tmp_path, text_file, model_dir):
     import torch.distributed as dist
 
     from dynmoe_dist.train.loop import Trainer
+
     config = config_for(model_dir, text_file)
     config.model.path = str(tmp_path / "missing")
     with pytest.raises(ValueError, match=r"model.path \('.*missing'\) does not exist"):
@@ -202,5 +221,6 @@ def test_load_config_checks_what_it_can_without_loading(model_dir, text_file, tm
 
 def test_options_the_run_ignores_are_named():
     from dynmoe_dist.train.startup import ignored_options
+
     builtin = load_config(None, ["model.source='hf'", "model.path='x'"])  # task 'synthetic' builds its own model
     assert {m.split(" ")[0] for m in ignored_options(builtin)} == {"model.source", "model.path"}

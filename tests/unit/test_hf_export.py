@@ -23,16 +23,34 @@ from dynmoe_dist.moe.layer import find_moe_layers  # noqa: E402
 def trained(tmp_path_factory):
     from dynmoe_dist.train.loop import Trainer
     from dynmoe_dist.train.run import run
+
     root = tmp_path_factory.mktemp("export")
     model_dir, out_dir = root / "model", root / "run"
     save_llama(model_dir, save_tokenizer(model_dir))
     (root / "corpus.txt").write_text("\n".join(corpus_lines()) + "\n")
-    config = load_config(None, [
-        "task.name='causal-lm'", f"task.path='{root / 'corpus.txt'}'", f"task.tokenizer='{model_dir}'",
-        "task.max_len=8", "model.source='hf'", f"model.path='{model_dir}'", f"model.num_layers={NUM_LAYERS}",
-        "model.moe_layers=[0, 2]", "moe.num_experts=2", "moe.threshold_init=0.5", "train.max_steps=4",
-        "train.global_batch_size=6", "train.lr=0.01", "adaptive.period_steps=2", f"output.out_dir='{out_dir}'",
-        "output.progress=false", "output.tensorboard=false", "output.report=false"])
+    config = load_config(
+        None,
+        [
+            "task.name='causal-lm'",
+            f"task.path='{root / 'corpus.txt'}'",
+            f"task.tokenizer='{model_dir}'",
+            "task.max_len=8",
+            "model.source='hf'",
+            f"model.path='{model_dir}'",
+            f"model.num_layers={NUM_LAYERS}",
+            "model.moe_layers=[0, 2]",
+            "moe.num_experts=2",
+            "moe.threshold_init=0.5",
+            "train.max_steps=4",
+            "train.global_batch_size=6",
+            "train.lr=0.01",
+            "adaptive.period_steps=2",
+            f"output.out_dir='{out_dir}'",
+            "output.progress=false",
+            "output.tensorboard=false",
+            "output.report=false",
+        ],
+    )
     trainer = Trainer(config)
     final = run(config, trainer)
     checkpoint = next((out_dir / "checkpoints").glob("step_*"))
@@ -49,6 +67,7 @@ def test_export_round_trip_equals_the_trained_model(trained, tmp_path):
     assert section["moe_blocks"] == [0, 2] and section["num_experts"] == counts
     assert section["moe"]["eval_k0"] == "top1" and len(section["thresholds"][0]) == counts[0]
     from safetensors import safe_open
+
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     want = {f"model.layers.2.mlp.moe.experts.experts.{e}.w_gate" for e in range(counts[1])}
@@ -58,8 +77,7 @@ def test_export_round_trip_equals_the_trained_model(trained, tmp_path):
     ids = torch.randint(0, 16, (3, 7), generator=torch.Generator().manual_seed(0))
     trainer.model.eval()
     with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids).logits, trainer.model(input_ids=ids).logits,
-                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(model(input_ids=ids).logits, trainer.model(input_ids=ids).logits, rtol=0, atol=1e-6)
 
 
 def test_generate_is_greedy_next_token(trained, tmp_path):
@@ -101,6 +119,7 @@ def test_export_rejects_a_non_checkpoint_and_a_builtin_run(tmp_path, capsys):
         main([str(tmp_path), "--out", str(tmp_path / "out")])
     assert "is not a checkpoint directory" in capsys.readouterr().err
     from dynmoe_dist.train.checkpoint import atomic_save
+
     config = load_config(None, [])
     atomic_save({"config": json.dumps(config.to_dict(), default=list)}, tmp_path / "meta.pt")
     with pytest.raises(ValueError, match=r"model.source \('builtin'\); only 'hf' runs export"):
@@ -110,6 +129,7 @@ def test_export_rejects_a_non_checkpoint_and_a_builtin_run(tmp_path, capsys):
 def test_resume_restores_the_grown_model(trained):
     from dynmoe_dist.train.checkpoint import CheckpointManager
     from dynmoe_dist.train.loop import Trainer
+
     trainer, _, checkpoint, _ = trained
     fresh = Trainer(trainer.config)  # built with moe.num_experts = 2 per layer
     CheckpointManager(fresh).resume(str(checkpoint))
@@ -118,5 +138,6 @@ def test_resume_restores_the_grown_model(trained):
     ids = torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(2))
     fresh.model.eval(), trainer.model.eval()
     with torch.no_grad():
-        torch.testing.assert_close(fresh.model(input_ids=ids).logits, trainer.model(input_ids=ids).logits,
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            fresh.model(input_ids=ids).logits, trainer.model(input_ids=ids).logits, rtol=0, atol=0
+        )

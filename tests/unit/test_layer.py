@@ -25,6 +25,7 @@ def test_layer_returns_output_aux_and_routing():
 def test_aux_loss_is_weighted_sum_of_selected_losses():
     torch.manual_seed(0)
     from dynmoe_dist.moe import losses
+
     cfg = MoEConfig(dim=8, ffn_dim=8, num_experts=3, aux_losses=("diverse", "efficiency"), aux_loss_weight=0.5)
     layer = MoELayer(cfg)
     out = layer(torch.randn(10, 8))
@@ -66,17 +67,20 @@ def test_upcycle_chooses_layers_and_rejects_bad_index():
         upcycle(model, MoEConfig(num_experts=2), layers=[7])
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(num_experts=0), r"num_experts \(0\)"),
-    (dict(num_experts=4, max_experts=3), r"max_experts \(3\) < num_experts \(4\)"),
-    (dict(router="top_k", top_k=0), r"top_k \(0\)"),
-    (dict(router="top_k", num_experts=4, top_k=5), r"top_k \(5\)"),
-    (dict(top_p=1.5), r"top_p \(1.5\)"),
-    (dict(top_p=0.0), r"top_p \(0.0\)"),
-    (dict(router="top_q"), r"router \('top_q'\)"),
-    (dict(min_experts=5, num_experts=4), r"min_experts \(5\) > num_experts \(4\)"),
-    (dict(aux_losses=("nope",)), r"aux_losses entry \('nope'\)"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_experts=0), r"num_experts \(0\)"),
+        (dict(num_experts=4, max_experts=3), r"max_experts \(3\) < num_experts \(4\)"),
+        (dict(router="top_k", top_k=0), r"top_k \(0\)"),
+        (dict(router="top_k", num_experts=4, top_k=5), r"top_k \(5\)"),
+        (dict(top_p=1.5), r"top_p \(1.5\)"),
+        (dict(top_p=0.0), r"top_p \(0.0\)"),
+        (dict(router="top_q"), r"router \('top_q'\)"),
+        (dict(min_experts=5, num_experts=4), r"min_experts \(5\) > num_experts \(4\)"),
+        (dict(aux_losses=("nope",)), r"aux_losses entry \('nope'\)"),
+    ],
+)
 def test_bad_config(kwargs, message):
     with pytest.raises(ValueError, match=message):
         MoEConfig(**kwargs)
@@ -138,8 +142,9 @@ def test_causal_lm_does_not_look_ahead():
 def test_padding_does_not_change_encoder_output():
     torch.manual_seed(0)
     cfg = ModelConfig(dim=16, num_heads=2, num_layers=1, ffn_dim=32, moe_layers=[0])
-    enc = EncoderClassifier(cfg, MoEConfig(num_experts=2, router="top_k", top_k=1), vocab_size=20, max_len=8,
-                            num_classes=2).eval()
+    enc = EncoderClassifier(
+        cfg, MoEConfig(num_experts=2, router="top_k", top_k=1), vocab_size=20, max_len=8, num_classes=2
+    ).eval()
     tokens = torch.randint(0, 20, (1, 5))
     padded = torch.cat([tokens, torch.zeros(1, 3, dtype=torch.long)], 1)
     valid = torch.tensor([[True] * 5 + [False] * 3])
@@ -150,5 +155,6 @@ def test_models_read_only_fields_the_run_config_has():
     import dataclasses
 
     from dynmoe_dist.models.transformer import ModelShape
+
     fields = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
     assert set(ModelShape.__annotations__) <= set(fields), set(ModelShape.__annotations__) - set(fields)

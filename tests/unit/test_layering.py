@@ -12,8 +12,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ["dynmoe_dist", "kernels", "cluster", "launcher"]
-ORDER = ["kernels", "moe", "models", "planning", "tasks", "config", "parallel", "coordination", "train",
-         "bench", "experiments", "export", "hf", "cluster", "launcher"]
+ORDER = [
+    "kernels",
+    "moe",
+    "models",
+    "planning",
+    "tasks",
+    "config",
+    "parallel",
+    "coordination",
+    "train",
+    "bench",
+    "experiments",
+    "export",
+    "hf",
+    "cluster",
+    "launcher",
+]
 LAYER_OF_FOLDER = {"kernels": "kernels", "cluster": "cluster", "launcher": "launcher"}
 
 
@@ -68,14 +83,19 @@ def upward_imports(path: Path, source: str = None, module: str = None):
     here = layer_of(module)
     if here is None:
         return []
-    return [f"{path.relative_to(ROOT)} ({here}) imports {name} ({layer_of(name)})"
-            for name in _imports(path, source, module)
-            if layer_of(name) is not None and ORDER.index(layer_of(name)) > ORDER.index(here)]
+    return [
+        f"{path.relative_to(ROOT)} ({here}) imports {name} ({layer_of(name)})"
+        for name in _imports(path, source, module)
+        if layer_of(name) is not None and ORDER.index(layer_of(name)) > ORDER.index(here)
+    ]
 
 
 def test_every_project_module_has_a_layer():
-    unplaced = [str(p.relative_to(ROOT)) for p in _all_files()
-                if layer_of(_module_name(p)) is None and _module_name(p) != "dynmoe_dist"]
+    unplaced = [
+        str(p.relative_to(ROOT))
+        for p in _all_files()
+        if layer_of(_module_name(p)) is None and _module_name(p) != "dynmoe_dist"
+    ]
     assert not unplaced, f"modules outside the design's layers (add them to ORDER): {unplaced}"
 
 
@@ -126,8 +146,11 @@ def test_kernels_and_cluster_use_absolute_imports():
     for folder in ("kernels", "cluster"):
         for path in _files(folder):
             tree = ast.parse(path.read_text())
-            offenders += [f"{path.relative_to(ROOT)}:{n.lineno}" for n in ast.walk(tree)
-                          if isinstance(n, ast.ImportFrom) and n.level > 0]
+            offenders += [
+                f"{path.relative_to(ROOT)}:{n.lineno}"
+                for n in ast.walk(tree)
+                if isinstance(n, ast.ImportFrom) and n.level > 0
+            ]
     assert not offenders, offenders
 
 

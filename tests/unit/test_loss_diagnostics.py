@@ -38,9 +38,14 @@ def test_gradient_norms_per_loss():
 
 
 def _event(step, removed, num_added, num_experts, layer=0):
-    return {"kind": "event", "step": step, "layer": layer, "removed": removed,
-            "added": [{"expert": num_experts - num_added + j, "init": "average"} for j in range(num_added)],
-            "num_experts": num_experts}
+    return {
+        "kind": "event",
+        "step": step,
+        "layer": layer,
+        "removed": removed,
+        "added": [{"expert": num_experts - num_added + j, "init": "average"} for j in range(num_added)],
+        "num_experts": num_experts,
+    }
 
 
 def test_track_experts_replays_positions():
@@ -49,17 +54,22 @@ def test_track_experts_replays_positions():
     events = [_event(20, [2], 1, 3), _event(10, [1], 1, 3), _event(30, [], 1, 4)]  # replayed in step order
     (layer,) = track_experts(events, [3])
     assert layer["final"] == ["init0", "init2", "add20.0", "add30.0"]
-    assert [(a["id"], a["removed_step"]) for a in layer["added"]] == [("add10.0", 20), ("add20.0", None),
-                                                                       ("add30.0", None)]
+    assert [(a["id"], a["removed_step"]) for a in layer["added"]] == [
+        ("add10.0", 20),
+        ("add20.0", None),
+        ("add30.0", None),
+    ]
     assert layer["initial_removed"] == 1
     with pytest.raises(ValueError, match="replay gives 3 experts, the record says 5"):
         track_experts([_event(10, [], 0, 5)], [3])
 
 
 def test_growth_summary_counts_windows_and_triggers():
-    windows = [{"layer": 0, "num_unrouted": 4, "unrouted_share": 0.01, "added": 1},
-               {"layer": 0, "num_unrouted": 0, "unrouted_share": 0.0, "added": 0},
-               {"layer": 0, "num_unrouted": 2, "unrouted_share": 0.005, "added": 0}]  # at the cap: no add
+    windows = [
+        {"layer": 0, "num_unrouted": 4, "unrouted_share": 0.01, "added": 1},
+        {"layer": 0, "num_unrouted": 0, "unrouted_share": 0.0, "added": 0},
+        {"layer": 0, "num_unrouted": 2, "unrouted_share": 0.005, "added": 0},
+    ]  # at the cap: no add
     tracked = track_experts([_event(10, [1], 1, 3)], [3])
     (g,) = growth_summary(windows, tracked)
     assert (g["num_windows"], g["windows_with_unrouted"], g["windows_with_add"]) == (3, 2, 1)
@@ -67,9 +77,28 @@ def test_growth_summary_counts_windows_and_triggers():
 
 
 def test_losses_end_to_end_tiny(tmp_path):
-    argv = ["--task", "synthetic", "--epochs", "1", "--seeds", "0", "--models", "dynmoe-no-efficiency",
-            "--checkpoints", "2", "--set", "task.num_samples=160", "--set", "model.dim=16",
-            "--set", "model.ffn_dim=16", "--set", "train.global_batch_size=16", "--out", str(tmp_path)]
+    argv = [
+        "--task",
+        "synthetic",
+        "--epochs",
+        "1",
+        "--seeds",
+        "0",
+        "--models",
+        "dynmoe-no-efficiency",
+        "--checkpoints",
+        "2",
+        "--set",
+        "task.num_samples=160",
+        "--set",
+        "model.dim=16",
+        "--set",
+        "model.ffn_dim=16",
+        "--set",
+        "train.global_batch_size=16",
+        "--out",
+        str(tmp_path),
+    ]
     result = diag.main(argv)
     (run,) = json.loads((tmp_path / "losses.json").read_text())["runs"]
     assert run["checkpoints"] == [1, 8] and {g["step"] for g in run["gradients"]} == {1, 8}
@@ -96,5 +125,7 @@ def test_whole_step_gradient_is_what_backward_leaves_on_the_router():
     assert total["gate_grad_norm"] == pytest.approx(layer.router.weight.grad.norm().item())
     k_T = (out.routing.gates > 0).sum(dim=-1).double()
     over_time = probe.k_over_time()
-    assert (over_time["mean_k"], over_time["k0_share"]) == ([[pytest.approx(k_T.mean().item())]],
-                                                            [[pytest.approx((k_T == 0).double().mean().item())]])
+    assert (over_time["mean_k"], over_time["k0_share"]) == (
+        [[pytest.approx(k_T.mean().item())]],
+        [[pytest.approx((k_T == 0).double().mean().item())]],
+    )

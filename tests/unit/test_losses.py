@@ -61,8 +61,7 @@ def test_reduce_sum_makes_split_batches_agree():
     mask = torch.rand(10, 4) > 0.5
     weights = mask / mask.sum(-1, keepdim=True).clamp(min=1)
     full = Routing(mask, weights, mask.sum(-1), mask.float(), None)
-    halves = [Routing(mask[s], weights[s], mask[s].sum(-1), mask[s].float(), None)
-              for s in (slice(0, 3), slice(3, 10))]
+    halves = [Routing(mask[s], weights[s], mask[s].sum(-1), mask[s].float(), None) for s in (slice(0, 3), slice(3, 10))]
     for loss in (losses.load_balance_loss, losses.efficiency_loss):
         # A fake two-rank reduction: the other half's statistic is added as a constant.
         stats = {}
@@ -73,5 +72,5 @@ def test_reduce_sum_makes_split_batches_agree():
 
         loss(halves[1], record)
         other = iter(stats["order"])
-        combined = loss(halves[0], lambda t: t + next(other))
+        combined = loss(halves[0], lambda t, rest=other: t + next(rest))
         assert math.isclose(combined.item(), loss(full).item(), rel_tol=1e-6)

@@ -3,9 +3,9 @@ move counts of the plain packer it replaced (tests/unit/packing_before.py, kept 
 
 import random
 
+import packing_before
 import pytest
 
-import packing_before
 from dynmoe_dist.planning import packing
 from dynmoe_dist.planning.placement import Placement
 
@@ -44,8 +44,11 @@ def test_same_placement_and_moves_as_the_plain_packer(seed, kind):
     num_experts = rng.randint(ep_size, 3 * ep_size + 2)
     loads = _loads(rng, num_experts, kind)
     homes = _homes(rng, num_experts, ep_size, num_new=rng.choice([0, 0, 1, 2]) if num_experts > ep_size else 0)
-    options = dict(rebalance=rng.random() < 0.8, replicate_factor=rng.choice([1.2, 1.5, 2.0]),
-                   max_replicas=rng.choice([0, 0, 2, 3]))
+    options = dict(
+        rebalance=rng.random() < 0.8,
+        replicate_factor=rng.choice([1.2, 1.5, 2.0]),
+        max_replicas=rng.choice([0, 0, 2, 3]),
+    )
     mine = packing.pack_experts(loads, homes, ep_size, **options)
     theirs = packing_before.pack_experts(loads, homes, ep_size, **options)
     assert mine == theirs

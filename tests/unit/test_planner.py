@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from dynmoe_dist.planning.packing import pack_experts, rank_loads
 from dynmoe_dist.config import AdaptiveConfig
 from dynmoe_dist.moe import MoEConfig
+from dynmoe_dist.planning.packing import pack_experts, rank_loads
 from dynmoe_dist.planning.placement import Placement
 from dynmoe_dist.planning.planner import PlannerConfig, imbalance, plan, plan_layer
 from dynmoe_dist.planning.stats import WindowStats
@@ -25,10 +25,14 @@ def _stats(counts, unrouted=()):
 
 def _cfg(min_experts=1, max_experts=8, adapt_experts=True, **adaptive):
     """A layer's planner inputs from the run config's own section types ([moe] and [adaptive])."""
-    moe = MoEConfig(num_experts=min_experts, min_experts=min_experts, max_experts=max_experts,
-                    router="top_any" if adapt_experts else "top_k", top_k=1)
-    return PlannerConfig(moe, AdaptiveConfig(**{"expert_init": "reuse_discarded", "replicate_factor": 1.5,
-                                                **adaptive}))
+    moe = MoEConfig(
+        num_experts=min_experts,
+        min_experts=min_experts,
+        max_experts=max_experts,
+        router="top_any" if adapt_experts else "top_k",
+        top_k=1,
+    )
+    return PlannerConfig(moe, AdaptiveConfig(**{"expert_init": "reuse_discarded", "replicate_factor": 1.5, **adaptive}))
 
 
 def _check_placement(p: Placement, num_experts: int):
@@ -56,8 +60,9 @@ def test_bounds_min_and_max_experts():
     lp = plan_layer(0, stats, Placement.balanced(4, 1), _cfg(min_experts=3, max_experts=4), False)
     assert lp.removed == (0,)  # only one removal allowed: 4 - 3
     assert len(lp.added) == 1 and lp.num_experts == 4
-    full = plan_layer(0, _stats([1, 1, 1, 1], unrouted=[(0, (1.0, 0, 0))]), Placement.balanced(4, 1),
-                      _cfg(max_experts=4), False)
+    full = plan_layer(
+        0, _stats([1, 1, 1, 1], unrouted=[(0, (1.0, 0, 0))]), Placement.balanced(4, 1), _cfg(max_experts=4), False
+    )
     assert full.added == ()  # no room above max_experts
 
 
@@ -68,13 +73,16 @@ def test_several_adds_point_to_different_neighbourhoods():
     assert [a.gate for a in lp.added] == [(0.0, 1.0, 0.0), (1.0, 0.0, 0.0)]
 
 
-@pytest.mark.parametrize("strategy, source, coeffs", [
-    ("average", "experts", ((0, 1 / 3), (1, 1 / 3), (2, 1 / 3))),
-    ("weighted_average", "experts", ((0, 0.1), (1, 0.3), (2, 0.6))),
-    ("most_activated", "experts", ((2, 1.0),)),
-    ("random", "random", ()),
-    ("reuse_discarded", "discarded", ()),  # nothing removed now, but an earlier event remembered one
-])
+@pytest.mark.parametrize(
+    "strategy, source, coeffs",
+    [
+        ("average", "experts", ((0, 1 / 3), (1, 1 / 3), (2, 1 / 3))),
+        ("weighted_average", "experts", ((0, 0.1), (1, 0.3), (2, 0.6))),
+        ("most_activated", "experts", ((2, 1.0),)),
+        ("random", "random", ()),
+        ("reuse_discarded", "discarded", ()),  # nothing removed now, but an earlier event remembered one
+    ],
+)
 def test_init_strategies(strategy, source, coeffs):
     stats = _stats([1, 3, 6], unrouted=[(1, (0, 0, 1.0))])
     lp = plan_layer(0, stats, Placement.balanced(3, 1), _cfg(expert_init=strategy), has_discarded=True)
@@ -90,8 +98,11 @@ def test_reuse_discarded_without_any_discard_falls_back_to_average():
 
 
 def test_plan_is_deterministic_and_hashable():
-    args = ([_stats([5, 0, 7, 1], [(0, (1.0, 2.0, 3.0))]), _stats([1, 1, 1, 1])],
-            [Placement.balanced(4, 2), Placement.balanced(4, 2)], [_cfg(), _cfg()])
+    args = (
+        [_stats([5, 0, 7, 1], [(0, (1.0, 2.0, 3.0))]), _stats([1, 1, 1, 1])],
+        [Placement.balanced(4, 2), Placement.balanced(4, 2)],
+        [_cfg(), _cfg()],
+    )
     a = plan(*args, version=3, step=10, has_discarded=[False, False])
     b = plan(*args, version=3, step=10, has_discarded=[False, False])
     assert a == b and a.digest() == b.digest() and hash(a.layers[0].placement) == hash(b.layers[0].placement)
@@ -132,8 +143,9 @@ def test_removals_below_ep_size_still_place_every_expert():
 
 
 def test_top_k_layers_only_rebalance():
-    lp = plan_layer(0, _stats([0, 9, 9, 0], unrouted=[(0, (1.0, 0, 0))]), Placement.balanced(4, 2),
-                    _cfg(adapt_experts=False), False)
+    lp = plan_layer(
+        0, _stats([0, 9, 9, 0], unrouted=[(0, (1.0, 0, 0))]), Placement.balanced(4, 2), _cfg(adapt_experts=False), False
+    )
     assert lp.removed == () and lp.added == () and lp.kept == (0, 1, 2, 3)
 
 
@@ -145,4 +157,3 @@ def test_more_replicas_when_ceil_shares_pack_unevenly():
     placement, _ = pack_experts(loads, homes, 3, replicate_factor=1.2)
     assert imbalance(rank_loads(placement, loads)) == pytest.approx(1.0)
     assert placement.num_replicas(0) == placement.num_replicas(1) == 3
-

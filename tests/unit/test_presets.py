@@ -10,8 +10,11 @@ FOUR = ("diverse", "simple", "load_balance", "efficiency")
 
 def test_default_preset_keeps_the_current_defaults():
     config = load_config(None, [])
-    assert (config.moe.preset, config.moe.aux_losses, config.adaptive.expert_init) == (DEFAULT_PRESET, FOUR,
-                                                                                      "reuse_discarded")
+    assert (config.moe.preset, config.moe.aux_losses, config.adaptive.expert_init) == (
+        DEFAULT_PRESET,
+        FOUR,
+        "reuse_discarded",
+    )
     assert "moe.aux_losses" not in config.explicit  # a preset's value is not the user's
 
 

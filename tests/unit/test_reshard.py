@@ -12,5 +12,5 @@ def test_owner_is_the_first_holder_and_files_needed_follow_it():
     new = resume_placement(saved, 2)
     assert new.experts_on(0) == [0, 1] and new.experts_on(1) == [2]
     assert owner_files_needed([saved], [new], 0) == [0, 1]  # expert 0 from rank 0's file, 1 from rank 1's
-    assert owner_files_needed([saved], [new], 1) == [2]     # rank 1 reads one file of three
-    assert resume_placement(saved, 3) is saved               # same ep size: the saved layout, replicas and all
+    assert owner_files_needed([saved], [new], 1) == [2]  # rank 1 reads one file of three
+    assert resume_placement(saved, 3) is saved  # same ep size: the saved layout, replicas and all

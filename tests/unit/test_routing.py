@@ -9,11 +9,13 @@ from dynmoe_dist.moe.routing import top_any, top_k, top_p
 
 # Gate vectors: e0 points along +x, e1 along +y, e2 along -x.
 GATE = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])
-TOKENS = torch.tensor([
-    [1.0, 1.0],   # cos = [.707, .707, -.707]  -> selects e0, e1 (k=2)
-    [-1.0, 0.0],  # cos = [-1, 0, 1]           -> e1 has p == th exactly: not selected; e2 only (k=1)
-    [0.0, -1.0],  # cos = [0, -1, 0]           -> nothing (k=0)
-])
+TOKENS = torch.tensor(
+    [
+        [1.0, 1.0],  # cos = [.707, .707, -.707]  -> selects e0, e1 (k=2)
+        [-1.0, 0.0],  # cos = [-1, 0, 1]           -> e1 has p == th exactly: not selected; e2 only (k=1)
+        [0.0, -1.0],  # cos = [0, -1, 0]           -> nothing (k=0)
+    ]
+)
 
 
 def test_top_any_masks_and_equal_weights():
@@ -80,12 +82,15 @@ def test_top_k_renormalises_kept_probabilities():
     torch.testing.assert_close(r.weights, torch.tensor([[p0 / (p0 + p1), p1 / (p0 + p1), 0.0, 0.0]]))
 
 
-@pytest.mark.parametrize("p, expected", [
-    (0.4, [True, False, False, False]),   # 0.5 alone already exceeds 0.4
-    (0.6, [True, True, False, False]),    # 0.5 does not exceed 0.6; 0.5 + 0.3 does: keep the crossing one
-    (0.85, [True, True, True, False]),    # 0.8 <= 0.85 < 0.95
-    (1.0, [True, True, True, True]),
-])
+@pytest.mark.parametrize(
+    "p, expected",
+    [
+        (0.4, [True, False, False, False]),  # 0.5 alone already exceeds 0.4
+        (0.6, [True, True, False, False]),  # 0.5 does not exceed 0.6; 0.5 + 0.3 does: keep the crossing one
+        (0.85, [True, True, True, False]),  # 0.8 <= 0.85 < 0.95
+        (1.0, [True, True, True, True]),
+    ],
+)
 def test_top_p_keeps_crossing_expert_with_raw_probs(p, expected):
     probs = torch.tensor([[0.3, 0.5, 0.05, 0.15]])
     r = top_p(probs.log(), p)

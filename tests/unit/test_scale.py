@@ -68,8 +68,12 @@ def test_tiny_simulation_plans_and_balances(tmp_path):
 
 
 def test_extract_recorded_sums_the_steps_after_the_last_event(tmp_path):
-    lines = [{"kind": "step", "step": 1, "expert_load": [[9, 9]]}, {"kind": "event", "step": 1},
-             {"kind": "step", "step": 2, "expert_load": [[1, 2, 3]]}, {"kind": "step", "step": 3, "expert_load": [[1, 0, 5]]}]
+    lines = [
+        {"kind": "step", "step": 1, "expert_load": [[9, 9]]},
+        {"kind": "event", "step": 1},
+        {"kind": "step", "step": 2, "expert_load": [[1, 2, 3]]},
+        {"kind": "step", "step": 3, "expert_load": [[1, 0, 5]]},
+    ]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines))
     data = scale.extract_recorded(tmp_path, tmp_path / "out.json")
     assert data["expert_load_per_layer"] == [[2, 2, 8]] and data["steps"] == [2, 3]

@@ -29,16 +29,18 @@ print(json.dumps({m: sys.modules[m].__file__ for m in
 
 def _probe(cwd: Path, pythonpath: str = "") -> dict:
     env = {**os.environ, "PYTHONPATH": pythonpath}
-    done = subprocess.run([sys.executable, "-c", PROBE], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([sys.executable, "-c", PROBE], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _source_copy(dest: Path) -> Path:
     """The tracked tree as a Ray working dir holds it (no .venv, no install metadata)."""
-    shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(".git", ".venv", "*.egg-info", "__pycache__",
-                                                              "runs", ".cache", "build"))
+    shutil.copytree(
+        ROOT,
+        dest,
+        ignore=shutil.ignore_patterns(".git", ".venv", "*.egg-info", "__pycache__", "runs", ".cache", "build"),
+    )
     return dest
 
 
@@ -47,8 +49,23 @@ def regular_install(tmp_path_factory):
     target = tmp_path_factory.mktemp("site")
     build = tmp_path_factory.mktemp("build_src")
     src = _source_copy(build / "src")  # build from a copy: setuptools writes build/ and egg-info there
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                           "--target", str(target), str(src)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return target
 

@@ -16,35 +16,47 @@ def _ignored(*overrides):
     return ignored_options(load_config(None, list(overrides)))
 
 
-@pytest.mark.parametrize("overrides, option, why", [
-    (["model.freeze=['embed']"], "model.freeze (['embed'])", "task 'synthetic' does not read it"),
-    (["task.path='x.jsonl'"], "task.path ('x.jsonl')", "task 'synthetic' does not read it"),
-    (["model.patch_size=2"], "model.patch_size (2)", "task 'synthetic'"),
-    (["task.name='vit-mnist'", "task.max_len=64"], "task.max_len (64)", "task 'vit-mnist'"),
-    (["task.name='minilm-sentiment'", "model.dim=384"], "model.dim (384)", "task 'minilm-sentiment'"),
-    (["task.name='minilm-sentiment'", "model.ffn_dim=99"], "model.ffn_dim (99)", "task 'minilm-sentiment'"),
-    (["moe.top_k=3"], "moe.top_k (3)", "only the top_k router reads it, and moe.router is 'top_any'"),
-    (["moe.router='top_k'", "moe.top_p=0.7"], "moe.top_p (0.7)", "moe.router is 'top_k'"),
-    (["moe.router='top_p'", "moe.threshold_init=0.1"], "moe.threshold_init (0.1)", "top_any"),
-    (["moe.router='top_k'", "adaptive.expert_init='average'"], "adaptive.expert_init ('average')",
-     "only top_any layers add and remove experts"),
-    (["moe.router='top_k'", "moe.max_experts=12"], "moe.max_experts (12)", "only top_any layers"),
-    (["adaptive.enabled=false", "adaptive.replicate_factor=2.0"], "adaptive.replicate_factor (2.0)",
-     "adaptive.enabled is false"),
-])
+@pytest.mark.parametrize(
+    "overrides, option, why",
+    [
+        (["model.freeze=['embed']"], "model.freeze (['embed'])", "task 'synthetic' does not read it"),
+        (["task.path='x.jsonl'"], "task.path ('x.jsonl')", "task 'synthetic' does not read it"),
+        (["model.patch_size=2"], "model.patch_size (2)", "task 'synthetic'"),
+        (["task.name='vit-mnist'", "task.max_len=64"], "task.max_len (64)", "task 'vit-mnist'"),
+        (["task.name='minilm-sentiment'", "model.dim=384"], "model.dim (384)", "task 'minilm-sentiment'"),
+        (["task.name='minilm-sentiment'", "model.ffn_dim=99"], "model.ffn_dim (99)", "task 'minilm-sentiment'"),
+        (["moe.top_k=3"], "moe.top_k (3)", "only the top_k router reads it, and moe.router is 'top_any'"),
+        (["moe.router='top_k'", "moe.top_p=0.7"], "moe.top_p (0.7)", "moe.router is 'top_k'"),
+        (["moe.router='top_p'", "moe.threshold_init=0.1"], "moe.threshold_init (0.1)", "top_any"),
+        (
+            ["moe.router='top_k'", "adaptive.expert_init='average'"],
+            "adaptive.expert_init ('average')",
+            "only top_any layers add and remove experts",
+        ),
+        (["moe.router='top_k'", "moe.max_experts=12"], "moe.max_experts (12)", "only top_any layers"),
+        (
+            ["adaptive.enabled=false", "adaptive.replicate_factor=2.0"],
+            "adaptive.replicate_factor (2.0)",
+            "adaptive.enabled is false",
+        ),
+    ],
+)
 def test_an_option_that_does_nothing_is_named_with_the_reason(overrides, option, why):
     messages = _ignored(*overrides)
     assert len(messages) == 1 and messages[0].startswith(option + " has no effect: ") and why in messages[0], messages
 
 
-@pytest.mark.parametrize("overrides", [
-    [],
-    ["moe.top_k=2"],                                   # set, but to the default value
-    ["moe.router='top_k'", "moe.top_k=1"],             # read by the router
-    ["task.name='vit-mnist'", "model.patch_size=7", "model.freeze=['patch_embed']"],
-    ["task.name='minilm-sentiment'", "model.freeze=['embeddings']", "task.max_len=64"],
-    ["moe.router='top_k'", "adaptive.replicate_factor=2.0"],  # re-placement/replication apply to top_k
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["moe.top_k=2"],  # set, but to the default value
+        ["moe.router='top_k'", "moe.top_k=1"],  # read by the router
+        ["task.name='vit-mnist'", "model.patch_size=7", "model.freeze=['patch_embed']"],
+        ["task.name='minilm-sentiment'", "model.freeze=['embeddings']", "task.max_len=64"],
+        ["moe.router='top_k'", "adaptive.replicate_factor=2.0"],  # re-placement/replication apply to top_k
+    ],
+)
 def test_options_that_matter_give_no_warning(overrides):
     assert _ignored(*overrides) == []
 
@@ -86,8 +98,11 @@ def test_default_features_without_their_extra_turn_off_with_a_warning(monkeypatc
 def test_a_feature_asked_for_by_name_fails_naming_the_extra(monkeypatch, option, package):
     _without(monkeypatch, package)
     config = load_config(None, [f"{option}=true"])
-    with pytest.raises(ValueError, match=rf"{option} \(true\) needs {package}, which is not installed: "
-                                         r"pip install 'dynmoe_dist\[report\]'"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{option} \(true\) needs {package}, which is not installed: "
+        r"pip install 'dynmoe_dist\[report\]'",
+    ):
         resolve_optional_features(config)
 
 

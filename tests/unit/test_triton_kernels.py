@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dynmoe_dist.kernels import select
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,8 +47,7 @@ print(json.dumps({"kernels": results, "layer_err": layer_err, "layer_has_k0": bo
 @pytest.fixture(scope="module")
 def interpreted():
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

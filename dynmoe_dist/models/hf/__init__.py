@@ -7,5 +7,15 @@ from .pretrained import from_pretrained
 from .upcycle import MoEBlock, moe_blocks, num_mlp_blocks, take_aux_loss, upcycle_hf
 from .wrappers import HFCausalLM
 
-__all__ = ["SUPPORTED", "MLPSite", "find_mlps", "MoEBlock", "moe_blocks", "num_mlp_blocks", "take_aux_loss",
-           "upcycle_hf", "HFCausalLM", "from_pretrained"]
+__all__ = [
+    "SUPPORTED",
+    "MLPSite",
+    "find_mlps",
+    "MoEBlock",
+    "moe_blocks",
+    "num_mlp_blocks",
+    "take_aux_loss",
+    "upcycle_hf",
+    "HFCausalLM",
+    "from_pretrained",
+]

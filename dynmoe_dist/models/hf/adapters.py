@@ -32,8 +32,12 @@ if TYPE_CHECKING:
 
 _Block = TypeVar("_Block", bound=nn.Module)
 
-SUPPORTED = ("LLaMA / Qwen2 / Mistral (gate_proj, up_proj, down_proj)", "GPT-2 (Conv1D c_fc, c_proj)",
-             "BERT (intermediate.dense + output.dense)", "ViT (mlp.fc1, mlp.fc2)")
+SUPPORTED = (
+    "LLaMA / Qwen2 / Mistral (gate_proj, up_proj, down_proj)",
+    "GPT-2 (Conv1D c_fc, c_proj)",
+    "BERT (intermediate.dense + output.dense)",
+    "ViT (mlp.fc1, mlp.fc2)",
+)
 
 
 @dataclass
@@ -64,12 +68,18 @@ def activation_name(act: nn.Module) -> str:
         return "gelu"
     if kind == "ReLU":
         return "relu"
-    raise ValueError(f"activation module {kind} has no DynMoE equivalent (supported: SiLU, erf GELU, "
-                     "tanh GELU / gelu_new, ReLU)")
+    raise ValueError(
+        f"activation module {kind} has no DynMoE equivalent (supported: SiLU, erf GELU, tanh GELU / gelu_new, ReLU)"
+    )
 
 
-def _dense_ffn(w_in_FD: torch.Tensor, b_in_F: Optional[torch.Tensor], w_out_DF: torch.Tensor,
-               b_out_D: Optional[torch.Tensor], activation: str) -> FeedForward:
+def _dense_ffn(
+    w_in_FD: torch.Tensor,
+    b_in_F: Optional[torch.Tensor],
+    w_out_DF: torch.Tensor,
+    b_out_D: Optional[torch.Tensor],
+    activation: str,
+) -> FeedForward:
     block = FeedForward(w_in_FD.shape[1], w_in_FD.shape[0], bias=b_in_F is not None, activation=activation)
     return _filled(block, dict(w_in=w_in_FD, b_in=b_in_F, w_out=w_out_DF, b_out=b_out_D))
 
@@ -103,8 +113,9 @@ def _children_with(model: nn.Module, test: Callable[[nn.Module], bool]):
 
 # -- gated: LLaMA / Qwen2 / Mistral -------------------------------------------------------------------
 def _is_gated(m: nn.Module) -> bool:
-    return all(isinstance(getattr(m, a, None), nn.Linear) for a in ("gate_proj", "up_proj", "down_proj")) \
-        and isinstance(getattr(m, "act_fn", None), nn.Module)
+    return all(
+        isinstance(getattr(m, a, None), nn.Linear) for a in ("gate_proj", "up_proj", "down_proj")
+    ) and isinstance(getattr(m, "act_fn", None), nn.Module)
 
 
 def gated_sites(model: nn.Module) -> List[MLPSite]:
@@ -118,10 +129,16 @@ def gated_sites(model: nn.Module) -> List[MLPSite]:
 def _gated_dense(mlp: nn.Module) -> GatedFeedForward:
     # _is_gated checked these types
     gate, up, down = (cast(nn.Linear, getattr(mlp, a)) for a in ("gate_proj", "up_proj", "down_proj"))
-    block = GatedFeedForward(up.in_features, up.out_features, bias=gate.bias is not None,
-                             activation=activation_name(cast(nn.Module, mlp.act_fn)))
-    return _filled(block, dict(w_gate=gate.weight, w_in=up.weight, w_out=down.weight,
-                               b_gate=gate.bias, b_in=up.bias, b_out=down.bias))
+    block = GatedFeedForward(
+        up.in_features,
+        up.out_features,
+        bias=gate.bias is not None,
+        activation=activation_name(cast(nn.Module, mlp.act_fn)),
+    )
+    return _filled(
+        block,
+        dict(w_gate=gate.weight, w_in=up.weight, w_out=down.weight, b_gate=gate.bias, b_in=up.bias, b_out=down.bias),
+    )
 
 
 # -- GPT-2: Conv1D stores weights (in, out) -----------------------------------------------------------
@@ -130,16 +147,25 @@ def _is_conv1d(m) -> bool:
 
 
 def _is_gpt2_mlp(m: nn.Module) -> bool:
-    return _is_conv1d(getattr(m, "c_fc", None)) and _is_conv1d(getattr(m, "c_proj", None)) \
+    return (
+        _is_conv1d(getattr(m, "c_fc", None))
+        and _is_conv1d(getattr(m, "c_proj", None))
         and isinstance(getattr(m, "act", None), nn.Module)
+    )
 
 
 def gpt2_sites(model: nn.Module) -> List[MLPSite]:
     sites = []
     for name, parent, child, mlp in _children_with(model, _is_gpt2_mlp):
         act = activation_name(mlp.act)
-        sites.append(MLPSite(name, partial(_gpt2_dense, mlp, act), _replace_child(parent, child),
-                             dropout=getattr(mlp, "dropout", None)))
+        sites.append(
+            MLPSite(
+                name,
+                partial(_gpt2_dense, mlp, act),
+                _replace_child(parent, child),
+                dropout=getattr(mlp, "dropout", None),
+            )
+        )
     return sites
 
 
@@ -156,9 +182,11 @@ def _linear_pair_dense(fc_in: nn.Linear, fc_out: nn.Linear, activation: str) -> 
 # -- split: BERT (and ViT in transformers 4.x) --------------------------------------------------------
 def _is_split_layer(m: nn.Module) -> bool:
     inter, out = getattr(m, "intermediate", None), getattr(m, "output", None)
-    return isinstance(getattr(inter, "dense", None), nn.Linear) \
-        and isinstance(getattr(inter, "intermediate_act_fn", None), nn.Module) \
+    return (
+        isinstance(getattr(inter, "dense", None), nn.Linear)
+        and isinstance(getattr(inter, "intermediate_act_fn", None), nn.Module)
         and isinstance(getattr(out, "dense", None), nn.Linear)
+    )
 
 
 def split_sites(model: nn.Module) -> List[MLPSite]:
@@ -174,14 +202,18 @@ def split_sites(model: nn.Module) -> List[MLPSite]:
             # The MoE block computes intermediate + output.dense; output keeps dropout, residual, LayerNorm.
             layer.intermediate = block
             layer.output.dense = nn.Identity()
+
         sites.append(MLPSite(name, convert, install))
     return sites
 
 
 # -- fc: ViT in transformers 5.x ----------------------------------------------------------------------
 def _is_fc_mlp(m: nn.Module) -> bool:
-    return isinstance(getattr(m, "fc1", None), nn.Linear) and isinstance(getattr(m, "fc2", None), nn.Linear) \
+    return (
+        isinstance(getattr(m, "fc1", None), nn.Linear)
+        and isinstance(getattr(m, "fc2", None), nn.Linear)
         and isinstance(getattr(m, "activation_fn", None), nn.Module)
+    )
 
 
 def fc_sites(model: nn.Module) -> List[MLPSite]:
@@ -202,5 +234,6 @@ def find_mlps(model: nn.Module) -> List[MLPSite]:
         sites = finder(model)
         if sites:
             return sites
-    raise ValueError(f"{type(model).__name__}: no dense MLP of a known architecture found; supported: "
-                     f"{'; '.join(SUPPORTED)}")
+    raise ValueError(
+        f"{type(model).__name__}: no dense MLP of a known architecture found; supported: {'; '.join(SUPPORTED)}"
+    )

@@ -30,6 +30,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def _transformers():
     import transformers  # imported lazily: the core package does not need it
+
     transformers.utils.logging.disable_progress_bar()
     return transformers
 
@@ -40,12 +41,14 @@ PACKAGE_PREFIX = "package:"
 def packaged_gguf(spec: str, field: str) -> Path:
     """'package:NAME' -> the single .gguf file among the installed distribution NAME's files."""
     import importlib.metadata
-    name = spec[len(PACKAGE_PREFIX):]
+
+    name = spec[len(PACKAGE_PREFIX) :]
     try:
         files = importlib.metadata.files(name) or []
     except importlib.metadata.PackageNotFoundError:
-        raise ValueError(f"{field} ({spec!r}): the distribution {name!r} is not installed "
-                         f"(pip install --no-deps {name})") from None
+        raise ValueError(
+            f"{field} ({spec!r}): the distribution {name!r} is not installed (pip install --no-deps {name})"
+        ) from None
     found = [f for f in files if str(f).endswith(".gguf")]
     if len(found) != 1:
         raise ValueError(f"{field} ({spec!r}): expected one .gguf file in {name!r}, found {len(found)}")
@@ -62,8 +65,10 @@ def resolve(path: str, field: str = "model.path") -> Tuple[Path, Optional[str]]:
         raise ValueError(f"{field} ({path!r}) does not exist")
     if p.is_dir():
         if not (p / "config.json").is_file():
-            raise ValueError(f"{field} ({path!r}) has no config.json: expected a transformers model directory "
-                             "(config.json + *.safetensors, as save_pretrained writes) or a .gguf file")
+            raise ValueError(
+                f"{field} ({path!r}) has no config.json: expected a transformers model directory "
+                "(config.json + *.safetensors, as save_pretrained writes) or a .gguf file"
+            )
         return p, None
     check_gguf(p, field)
     return p.parent, p.name
@@ -73,8 +78,10 @@ def check_gguf(p: Path, field: str) -> None:
     try:
         from gguf import GGUFReader
     except ModuleNotFoundError:
-        raise ValueError(f"{field} ({str(p)!r}) is a file, read as GGUF, which needs the 'gguf' package: "
-                         "pip install 'dynmoe_dist[hf]'") from None
+        raise ValueError(
+            f"{field} ({str(p)!r}) is a file, read as GGUF, which needs the 'gguf' package: "
+            "pip install 'dynmoe_dist[hf]'"
+        ) from None
     try:
         reader = GGUFReader(str(p))
     except Exception as err:  # the reader raises ValueError, struct.error, IndexError... on bad bytes
@@ -83,15 +90,19 @@ def check_gguf(p: Path, field: str) -> None:
         raise ValueError(f"{field} ({str(p)!r}) is a GGUF file without general.architecture")
 
 
-def load_model(path: str, head: str = "causal-lm", *, num_labels: Optional[int] = None,
-               field: str = "model.path") -> nn.Module:
+def load_model(
+    path: str, head: str = "causal-lm", *, num_labels: Optional[int] = None, field: str = "model.path"
+) -> nn.Module:
     """The pre-trained model with the head the task needs, in float32, in training mode."""
     if head not in HEADS:
         raise ValueError(f"head ({head!r}) must be one of {HEADS}")
     directory, gguf_file = resolve(path, field)
     tf = _transformers()
-    auto = {"causal-lm": tf.AutoModelForCausalLM, "sequence-classification": tf.AutoModelForSequenceClassification,
-            "base": tf.AutoModel}[head]
+    auto = {
+        "causal-lm": tf.AutoModelForCausalLM,
+        "sequence-classification": tf.AutoModelForSequenceClassification,
+        "base": tf.AutoModel,
+    }[head]
     kwargs = {"local_files_only": True, "dtype": "float32"}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
@@ -100,8 +111,10 @@ def load_model(path: str, head: str = "causal-lm", *, num_labels: Optional[int] 
     try:
         model = auto.from_pretrained(str(directory), **kwargs)
     except (OSError, ValueError, KeyError) as err:
-        raise ValueError(f"{field} ({path!r}) could not be loaded as {auto.__name__} "
-                         f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+        raise ValueError(
+            f"{field} ({path!r}) could not be loaded as {auto.__name__} "
+            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        ) from None
     return model.train()
 
 
@@ -122,5 +135,7 @@ def load_tokenizer(path: str, field: str = "model.path"):
     try:
         return tf.AutoTokenizer.from_pretrained(str(directory), **kwargs)
     except (OSError, ValueError, KeyError) as err:
-        raise ValueError(f"{field} ({path!r}): the tokenizer could not be loaded ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0] if str(err) else ''})") from None
+        raise ValueError(
+            f"{field} ({path!r}): the tokenizer could not be loaded ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''})"
+        ) from None

@@ -42,8 +42,13 @@ def load_minilm(num_layers: Optional[int] = None, dropout: float = 0.0, model_di
     model_dir = Path(model_dir) if model_dir is not None else minilm_dir()
     # A str path: transformers treats a Path as a hub id in some versions. Dropout is set through the
     # config because BertModel builds its dropout modules from it.
-    model = tf.AutoModel.from_pretrained(str(model_dir), local_files_only=True, dtype="float32",
-                                         hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    model = tf.AutoModel.from_pretrained(
+        str(model_dir),
+        local_files_only=True,
+        dtype="float32",
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
     available = model.config.num_hidden_layers
     num_layers = available if num_layers is None else num_layers
     if not 1 <= num_layers <= available:
@@ -64,16 +69,16 @@ class HFSentenceClassifier(nn.Module):
         self.bert = bert
         self.head = nn.Linear(cast("PreTrainedModel", bert).config.hidden_size, num_classes)
 
-    def embed(self, tokens_BL: Tensor, valid_BL: Optional[Tensor] = None,
-              token_type_BL: Optional[Tensor] = None):
+    def embed(self, tokens_BL: Tensor, valid_BL: Optional[Tensor] = None, token_type_BL: Optional[Tensor] = None):
         """(mean-pooled sentence embeddings (B, D), aux loss)."""
         take_aux_loss(self.bert, tokens_BL)  # drop what a forward outside this wrapper left behind
         mask_BL = valid_BL.long() if valid_BL is not None else None
         h_BLD = self.bert(input_ids=tokens_BL, attention_mask=mask_BL, token_type_ids=token_type_BL).last_hidden_state
         return masked_mean(h_BLD, valid_BL), take_aux_loss(self.bert, h_BLD)
 
-    def forward(self, tokens_BL: Tensor, valid_BL: Optional[Tensor] = None,
-                token_type_BL: Optional[Tensor] = None) -> ModelOutput:
+    def forward(
+        self, tokens_BL: Tensor, valid_BL: Optional[Tensor] = None, token_type_BL: Optional[Tensor] = None
+    ) -> ModelOutput:
         pooled_BD, aux = self.embed(tokens_BL, valid_BL, token_type_BL)
         return ModelOutput(self.head(pooled_BD), aux)
 
@@ -86,6 +91,6 @@ def freeze_names(prefixes: Sequence[str]) -> List[str]:
         if prefix == "embeddings" or prefix.startswith("embeddings."):
             prefix = "bert." + prefix
         elif prefix.startswith("layers."):
-            prefix = "bert.encoder.layer." + prefix[len("layers."):]
+            prefix = "bert.encoder.layer." + prefix[len("layers.") :]
         out.append(prefix)
     return out

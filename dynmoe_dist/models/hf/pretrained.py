@@ -42,8 +42,9 @@ def install_moe_blocks(model: nn.Module, moe: MoEConfig, blocks: Sequence[int], 
         raise ValueError(f"MoE blocks ({list(blocks)}) and expert counts ({list(num_experts)}) differ in length")
     assert moe.max_experts is not None, "MoEConfig.__post_init__ fills max_experts"
     for block, count in sorted(zip(blocks, num_experts), reverse=True):
-        layer_moe = dataclasses.replace(moe, num_experts=count, max_experts=max(count, moe.max_experts),
-                                        min_experts=min(moe.min_experts, count))
+        layer_moe = dataclasses.replace(
+            moe, num_experts=count, max_experts=max(count, moe.max_experts), min_experts=min(moe.min_experts, count)
+        )
         upcycle_hf(model, layer_moe, layers=[block])
 
 
@@ -53,9 +54,14 @@ def moe_options(moe: MoEConfig) -> Dict:
 
 def dynmoe_section(model: nn.Module, moe: MoEConfig, blocks: Sequence[int], **extra) -> Dict:
     layers = [layer for _, layer in find_moe_layers(model)]
-    return {"format": FORMAT_VERSION, "moe_blocks": sorted(blocks), "num_experts": [m.num_experts for m in layers],
-            "moe": moe_options(moe),
-            "thresholds": [_thresholds(m.router) for m in layers], **extra}
+    return {
+        "format": FORMAT_VERSION,
+        "moe_blocks": sorted(blocks),
+        "num_experts": [m.num_experts for m in layers],
+        "moe": moe_options(moe),
+        "thresholds": [_thresholds(m.router) for m in layers],
+        **extra,
+    }
 
 
 def _thresholds(router: nn.Module) -> Optional[List[float]]:
@@ -78,6 +84,7 @@ def unshared_state(model: nn.Module) -> Dict[str, torch.Tensor]:
 
 def save_exported(model: nn.Module, section: Dict, out: Path, tokenizer=None) -> Path:
     from safetensors.torch import save_file
+
     out.mkdir(parents=True, exist_ok=True)
     config = cast("PreTrainedModel", model).config  # an HF model
     config.dynmoe = section
@@ -109,8 +116,10 @@ def read_section(directory: Path) -> Dict:
         raise ValueError(f"from_pretrained: {str(directory)!r} has no config.json")
     section = json.loads(config_file.read_text()).get("dynmoe")
     if not isinstance(section, dict) or section.get("format") != FORMAT_VERSION:
-        raise ValueError(f"from_pretrained: {config_file} has no 'dynmoe' section of format {FORMAT_VERSION} "
-                         "(not written by python -m dynmoe_dist.export)")
+        raise ValueError(
+            f"from_pretrained: {config_file} has no 'dynmoe' section of format {FORMAT_VERSION} "
+            "(not written by python -m dynmoe_dist.export)"
+        )
     return section
 
 
@@ -119,6 +128,7 @@ def from_pretrained(directory, *, eval_k0: Optional[str] = None, dtype: Optional
     ``eval_k0`` overrides the exported choice for tokens that select no expert ('top1' fallback or
     'skip': MoE output 0)."""
     from safetensors.torch import load_file
+
     directory = Path(directory)
     section = read_section(directory)
     tf = _transformers()
@@ -126,8 +136,9 @@ def from_pretrained(directory, *, eval_k0: Optional[str] = None, dtype: Optional
     architecture = (config.architectures or [None])[0]
     model_class = getattr(tf, architecture, None) if architecture else None
     if model_class is None:
-        raise ValueError(f"from_pretrained: config.json architectures ({config.architectures}) names no "
-                         "transformers model class")
+        raise ValueError(
+            f"from_pretrained: config.json architectures ({config.architectures}) names no transformers model class"
+        )
     state = load_file(str(directory / "model.safetensors"))
     dtype = dtype or next(iter(state.values())).dtype
     model = model_class(config).to(dtype)

@@ -63,17 +63,23 @@ def expert_kind_of(dense: Expert) -> str:
 def moe_layer_for(site: MLPSite, config: MoEConfig) -> MoELayer:
     """An MoE layer whose experts are all copies of the site's dense MLP (the shape fields from it)."""
     dense = site.convert()
-    layer_config = replace(config, dim=dense.w_in.shape[1], ffn_dim=dense.w_in.shape[0],
-                           expert_kind=expert_kind_of(dense), activation=dense.activation,
-                           expert_bias=dense.b_in is not None)
+    layer_config = replace(
+        config,
+        dim=dense.w_in.shape[1],
+        ffn_dim=dense.w_in.shape[0],
+        expert_kind=expert_kind_of(dense),
+        activation=dense.activation,
+        expert_bias=dense.b_in is not None,
+    )
     experts = ExpertBank(layer_config, [copy.deepcopy(dense) for _ in range(layer_config.num_experts)])
     layer = MoELayer(layer_config, experts)
     # The router matches the MLP's device and dtype (a float64 model gets a float64 router).
     return layer.to(device=dense.w_in.device, dtype=dense.w_in.dtype)
 
 
-def upcycle_hf(model: nn.Module, moe_config: Optional[MoEConfig] = None, *,
-               layers: Optional[Iterable[int]] = None) -> nn.Module:
+def upcycle_hf(
+    model: nn.Module, moe_config: Optional[MoEConfig] = None, *, layers: Optional[Iterable[int]] = None
+) -> nn.Module:
     """Replace the dense MLPs of the given block indices (all when None) by MoE blocks; in place.
 
     At initialisation every expert equals the dense MLP, so wherever a token's combine weights sum to 1
@@ -83,8 +89,10 @@ def upcycle_hf(model: nn.Module, moe_config: Optional[MoEConfig] = None, *,
     chosen = list(range(len(sites))) if layers is None else sorted(set(layers))
     for index in chosen:
         if not 0 <= index < len(sites):
-            raise ValueError(f"MoE layer index ({index}) out of range: {type(model).__name__} has "
-                             f"{len(sites)} MLP blocks (0..{len(sites) - 1})")
+            raise ValueError(
+                f"MoE layer index ({index}) out of range: {type(model).__name__} has "
+                f"{len(sites)} MLP blocks (0..{len(sites) - 1})"
+            )
     config = moe_config if moe_config is not None else MoEConfig()
     for index in chosen:
         site = sites[index]
