@@ -14,9 +14,16 @@ def _routing(mask, weights, probs=None):
 
 
 def test_diverse_loss_is_frobenius_norm_not_squared():
-    # Wn = [[1, 0], [.707, .707]]: Wn Wn^T - I has two off-diagonal entries 1/sqrt(2) -> sqrt(2 * 0.5) = 1.
-    w = torch.tensor([[2.0, 0.0], [1.0, 1.0]])
-    torch.testing.assert_close(losses.diverse_loss(w), torch.tensor(1.0))
+    # Values where norm and square differ (0 and 1 are their own squares, so they cannot tell).
+    # W = [[3, 0], [0, 2], [1, 1]] -> Wn = [[1, 0], [0, 1], [s, s]] with s = 1/sqrt(2).
+    # Wn Wn^T - I = [[0, 0, s], [0, 0, s], [s, s, 0]]: four entries s, sum of squares 4 * 0.5 = 2
+    # -> ||.||_F = sqrt(2) = 1.4142 (the square would be 2).
+    w = torch.tensor([[3.0, 0.0], [0.0, 2.0], [1.0, 1.0]])
+    torch.testing.assert_close(losses.diverse_loss(w), torch.tensor(math.sqrt(2.0)))
+    # Three parallel gate vectors (different lengths): Wn = three copies of [1, 0], Wn Wn^T = all ones,
+    # minus I leaves six off-diagonal ones -> sqrt(6) = 2.449 (the square would be 6).
+    parallel = torch.tensor([[1.0, 0.0], [2.0, 0.0], [5.0, 0.0]])
+    torch.testing.assert_close(losses.diverse_loss(parallel), torch.tensor(math.sqrt(6.0)))
     torch.testing.assert_close(losses.diverse_loss(torch.eye(3)), torch.tensor(0.0))
 
 
