@@ -163,3 +163,30 @@ def test_bad_router_arguments():
         top_k(torch.zeros(2, 4), 5)
     with pytest.raises(ValueError, match=r"top_p \(0\.0\)"):
         top_p(torch.zeros(2, 4), 0.0)
+
+
+def test_top_k_and_top_p_gates_are_the_mask_and_k_is_per_token():
+    # 2 tokens, 4 experts. probs row 0 = [.5, .3, .15, .05], row 1 = [.05, .15, .3, .5].
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]], dtype=torch.float64)
+    r = top_k(probs.log(), 2)
+    assert r.mask.tolist() == [[True, True, False, False], [False, False, True, True]]
+    assert r.num_selected.tolist() == [2, 2]
+    assert r.gates.dtype == torch.float64 and r.gates.tolist() == r.mask.double().tolist()
+    # top-p 0.6: 0.5 does not exceed 0.6, 0.8 does -> 2 experts on both rows; p 0.4 -> 1 expert.
+    r = top_p(probs.log(), 0.6)
+    assert r.num_selected.tolist() == [2, 2]
+    assert r.gates.dtype == torch.float64 and r.gates.tolist() == r.mask.double().tolist()
+    assert top_p(probs.log(), 0.4).num_selected.tolist() == [1, 1]
+
+
+def test_top_k_and_top_p_softmax_in_fp32_for_bf16_logits():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]], dtype=torch.bfloat16)
+    for r in (top_k(logits, 2), top_p(logits, 0.5)):
+        assert r.probs.dtype == torch.float32 and r.weights.dtype == torch.float32
+        assert r.gates.dtype == torch.float32
+
+
+def test_top_p_above_one_is_refused():
+    with pytest.raises(ValueError, match=r"top_p \(1\.5\) must be in \(0, 1\]"):
+        top_p(torch.zeros(2, 4), 1.5)
+    assert top_p(torch.zeros(2, 4), 1.0).num_selected.tolist() == [4, 4]

@@ -1,0 +1,52 @@
+"""ExpertBank / FeedForward details: compute-mode choice, a single expert, bias-free experts, dtypes."""
+
+import pytest
+import torch
+
+from dynmoe_dist import FeedForward, MoEConfig
+from dynmoe_dist.moe.experts import ExpertBank, autocast_rows, reference_forward, use_grouped_mm
+
+
+def test_compute_mode_choice():
+    rows = torch.zeros(2, 4)
+    assert use_grouped_mm("grouped_mm", rows) is True
+    assert use_grouped_mm("loop", rows) is False
+    # 'auto' takes the fused kernel only on CUDA in bf16; on CPU it loops, in bf16 as in fp32.
+    assert use_grouped_mm("auto", rows) is False
+    assert use_grouped_mm("auto", rows.bfloat16()) is False
+
+
+def test_bank_of_one_expert_computes_it():
+    torch.manual_seed(0)
+    cfg = MoEConfig(dim=4, ffn_dim=6, num_experts=1, expert_compute="loop")
+    bank = ExpertBank.fresh(cfg, 1)
+    for p in bank.parameters():
+        torch.nn.init.normal_(p)
+    rows = torch.randn(3, 4)
+    out = bank(rows, torch.tensor([3]))
+    assert out.abs().sum() > 0
+    torch.testing.assert_close(out, bank.experts[0](rows))
+
+
+@pytest.mark.parametrize("mode", ["loop", "grouped_mm"])
+def test_bias_free_experts(mode):
+    torch.manual_seed(0)
+    cfg = MoEConfig(dim=4, ffn_dim=8, num_experts=2, expert_bias=False, expert_compute=mode)
+    bank = ExpertBank.fresh(cfg, 2)
+    assert all(e.b_in is None and e.b_out is None for e in bank.experts)
+    rows, counts = torch.randn(5, 4), torch.tensor([2, 3])
+    torch.testing.assert_close(bank(rows, counts), reference_forward(list(bank.experts), rows, counts))
+
+
+def test_feed_forward_computes_in_the_rows_dtype():
+    torch.manual_seed(0)
+    ffn = FeedForward(4, 8)  # fp32 master weights
+    out = ffn(torch.randn(3, 4).bfloat16())
+    assert out.dtype == torch.bfloat16 and ffn.w_in.dtype == torch.float32
+
+
+def test_rows_take_the_autocast_dtype():
+    rows = torch.randn(3, 4)
+    assert autocast_rows(rows).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert autocast_rows(rows).dtype == torch.bfloat16
