@@ -100,3 +100,15 @@ def test_softmax_router_resize_keeps_rows_in_order_and_appends_new_ones():
     assert isinstance(r.weight, torch.nn.Parameter) and r.weight.requires_grad
     assert r.weight.dtype == torch.float32 and r.weight.shape == (3, 2)
     assert torch.equal(r.weight.detach(), torch.stack([old[2], old[0], torch.tensor([1.0, -1.0])]))
+
+
+def test_top_any_router_resize_keeps_the_parameter_dtype_and_zero_thresholds_for_new_experts():
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(dim=2, ffn_dim=4, num_experts=3))
+    with torch.no_grad():
+        layer.router.threshold.copy_(torch.tensor([0.1, 0.2, 0.3]))
+    old = layer.router.weight.detach().clone()
+    layer.router.resize([2, 0], torch.tensor([[0.0, 1.0]], dtype=torch.float64))
+    assert layer.router.weight.dtype == torch.float32 and layer.router.threshold.dtype == torch.float32
+    assert torch.equal(layer.router.weight.detach(), torch.stack([old[2], old[0], torch.tensor([0.0, 1.0])]))
+    torch.testing.assert_close(layer.router.threshold.detach(), torch.tensor([0.3, 0.1, 0.0]))

@@ -79,3 +79,22 @@ def test_changes_experts_means_a_removal_or_an_addition():
     added = plan([_stats([1, 1], unrouted=(1.0, 0.0))], (Placement.balanced(2, 1),), (CFG,), version=1, step=0,
                  has_discarded=(False,)).layers[0]
     assert added.removed == () and len(added.added) == 1 and added.changes_experts()
+
+
+def test_two_adds_get_consecutive_seeds_and_the_imbalance_before_uses_the_old_placement():
+    # One layer, version 2: seed 2000 * 16 = 32000 for the first add, 32001 for the second. Unrouted tokens
+    # in two neighbourhoods (e0: two tokens, e1: one) -> two adds, the most crowded first.
+    s = _stats([3, 1])
+    s.unrouted_sum_ED += torch.tensor([[2.0, 0.0], [0.0, 5.0]], dtype=torch.float64)
+    s.num_unrouted_E += torch.tensor([2.0, 1.0], dtype=torch.float64)
+    cfg = PlannerConfig(min_experts=1, max_experts=8, max_adds_per_event=2)
+    lp = plan([s], (Placement.balanced(2, 2),), (cfg,), version=2, step=1, has_discarded=(False,)).layers[0]
+    assert [a.seed for a in lp.added] == [32000, 32001]
+    assert [a.gate for a in lp.added] == [(1.0, 0.0), (0.0, 1.0)]
+    assert lp.imbalance_before == 1.5  # old ranks [3, 1]: max 3 / mean 2
+
+
+def test_imbalance_before_is_reported_for_a_balanced_layer():
+    lp = plan([_stats([4, 4, 4, 4])], (Placement.balanced(4, 2),), (CFG,), version=1, step=9,
+              has_discarded=(False,), load_history=((12.0, 0.0, 0.0, 0.0),)).layers[0]
+    assert lp.imbalance_before == 1.0  # measured on the window counts, not the history

@@ -190,3 +190,13 @@ def test_top_p_above_one_is_refused():
     with pytest.raises(ValueError, match=r"top_p \(1\.5\) must be in \(0, 1\]"):
         top_p(torch.zeros(2, 4), 1.5)
     assert top_p(torch.zeros(2, 4), 1.0).num_selected.tolist() == [4, 4]
+
+
+def test_top_any_scores_are_sigmoid_of_per_token_cosines():
+    # Gate rows of different lengths (row normalisation removes them) and tokens of different norms.
+    gate = torch.tensor([[2.0, 0.0], [0.0, 0.5], [-3.0, 0.0]])
+    tokens = torch.tensor([[1.0, 1.0], [-3.0, 0.0], [0.0, -0.5]])
+    s = 1 / math.sqrt(2)
+    cos = torch.tensor([[s, s, -s], [-1.0, 0.0, 1.0], [0.0, -1.0, 0.0]])
+    r = top_any(tokens, gate, torch.zeros(3), training=True)
+    torch.testing.assert_close(r.probs, torch.sigmoid(cos))
