@@ -50,3 +50,17 @@ def test_rows_take_the_autocast_dtype():
     assert autocast_rows(rows).dtype == torch.float32
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert autocast_rows(rows).dtype == torch.bfloat16
+
+
+def test_grouped_mode_casts_fp32_weights_to_bf16_rows():
+    # Under autocast the rows arrive in bf16 while the master weights stay fp32; the grouped path must
+    # cast the stacked weights and biases to the rows' dtype, like the loop does.
+    torch.manual_seed(0)
+    cfg = MoEConfig(dim=4, ffn_dim=8, num_experts=2, expert_compute="grouped_mm")
+    bank = ExpertBank.fresh(cfg, 2)
+    for p in bank.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    rows, counts = torch.randn(5, 4).bfloat16(), torch.tensor([2, 3])
+    out = bank(rows, counts)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, reference_forward(list(bank.experts), rows, counts), rtol=2e-2, atol=2e-2)

@@ -112,3 +112,11 @@ def test_top_any_router_resize_keeps_the_parameter_dtype_and_zero_thresholds_for
     assert layer.router.weight.dtype == torch.float32 and layer.router.threshold.dtype == torch.float32
     assert torch.equal(layer.router.weight.detach(), torch.stack([old[2], old[0], torch.tensor([0.0, 1.0])]))
     torch.testing.assert_close(layer.router.threshold.detach(), torch.tensor([0.3, 0.1, 0.0]))
+
+
+def test_softmax_router_upcasts_bf16_weights_too():
+    # train.precision = bf16 casts the whole model, router included: the logits still come out in fp32.
+    torch.manual_seed(0)
+    r = SoftmaxRouter(MoEConfig(dim=4, ffn_dim=8, num_experts=3, router="top_k", top_k=1)).bfloat16()
+    routing = r(torch.randn(5, 4).bfloat16(), True)
+    assert r.weight.dtype == torch.bfloat16 and routing.probs.dtype == torch.float32
