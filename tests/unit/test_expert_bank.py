@@ -64,3 +64,23 @@ def test_grouped_mode_casts_fp32_weights_to_bf16_rows():
     out = bank(rows, counts)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, reference_forward(list(bank.experts), rows, counts), rtol=2e-2, atol=2e-2)
+
+
+def test_no_rows_give_zeros_that_stay_in_the_graph():
+    # A rank that receives no rows must still return an output with a grad_fn: its backward exchange
+    # has to run (the other ranks wait for it).
+    bank = ExpertBank.fresh(MoEConfig(dim=4, ffn_dim=8, num_experts=2, expert_compute="loop"), 2)
+    rows = torch.zeros(0, 4, requires_grad=True)
+    out = bank(rows, torch.tensor([0, 0]))
+    assert out.shape == (0, 4) and out.requires_grad and out.grad_fn is not None
+
+
+@pytest.mark.parametrize("mode, path", [("grouped_mm", "_grouped"), ("loop", "_loop")])
+def test_the_configured_compute_mode_picks_the_path(mode, path, monkeypatch):
+    bank = ExpertBank.fresh(MoEConfig(dim=4, ffn_dim=8, num_experts=2, expert_compute=mode), 2)
+    taken = []
+    for name in ("_grouped", "_loop"):
+        real = getattr(bank, name)
+        monkeypatch.setattr(bank, name, lambda rows, counts, real=real, name=name: taken.append(name) or real(rows, counts))
+    bank(torch.randn(3, 4), torch.tensor([1, 2]))
+    assert taken == [path]

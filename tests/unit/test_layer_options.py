@@ -120,3 +120,13 @@ def test_softmax_router_upcasts_bf16_weights_too():
     r = SoftmaxRouter(MoEConfig(dim=4, ffn_dim=8, num_experts=3, router="top_k", top_k=1)).bfloat16()
     routing = r(torch.randn(5, 4).bfloat16(), True)
     assert r.weight.dtype == torch.bfloat16 and routing.probs.dtype == torch.float32
+
+
+def test_layer_output_keeps_the_input_dtype_under_autocast():
+    # Under bf16 autocast the routed rows are computed in bf16; the layer hands back the input's dtype.
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(dim=4, ffn_dim=8, num_experts=3))
+    x = torch.randn(6, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    assert out.output.dtype == torch.float32 and out.output.shape == (6, 4)
