@@ -84,3 +84,14 @@ def test_the_configured_compute_mode_picks_the_path(mode, path, monkeypatch):
         monkeypatch.setattr(bank, name, lambda rows, counts, real=real, name=name: taken.append(name) or real(rows, counts))
     bank(torch.randn(3, 4), torch.tensor([1, 2]))
     assert taken == [path]
+
+
+def test_new_experts_follow_the_config_and_init_normal_zero_mean():
+    torch.manual_seed(0)
+    cfg = MoEConfig(dim=64, ffn_dim=64, num_experts=1, activation="relu", init_std=0.5)
+    (expert,) = ExpertBank.fresh(cfg, 1).experts
+    assert expert.activation == "relu"
+    for w in (expert.w_in.detach(), expert.w_out.detach()):  # 4096 samples each
+        assert abs(float(w.mean())) < 0.05 and 0.45 < float(w.std()) < 0.55
+    default = FeedForward(64, 64)
+    assert 0.018 < float(default.w_in.detach().std()) < 0.022  # the default init_std is 0.02

@@ -130,3 +130,10 @@ def test_layer_output_keeps_the_input_dtype_under_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = layer(x)
     assert out.output.dtype == torch.float32 and out.output.shape == (6, 4)
+
+
+@pytest.mark.parametrize("router, kind", [("top_any", "TopAnyRouter"), ("top_k", "SoftmaxRouter"),
+                                          ("top_p", "SoftmaxRouter")])
+def test_layer_builds_the_router_its_config_names(router, kind):
+    layer = MoELayer(MoEConfig(dim=4, ffn_dim=8, num_experts=3, router=router))
+    assert type(layer.router).__name__ == kind
