@@ -16,7 +16,15 @@ from dynmoe_dist.parallel.simulate import run_simulated
 from dynmoe_dist.planning.placement import Placement
 
 D, F = 8, 12
-TOKENS = [7, 0, 12, 3]  # tokens per rank: uneven, rank 1 has none
+TOKENS = [7, 0, 12, 3]  # tokens per rank at worlds 3 and 4: uneven, rank 1 has none
+# World 2: both ranks hold tokens, so in every ep-2 case each rank receives rows from BOTH ranks for
+# several of its experts, and the receive side must reorder them source-major -> expert-major (with
+# rank 1 empty that reordering was the identity, and a combine that re-applied it passed at world 2).
+TOKENS_WORLD_2 = [9, 6]
+
+
+def _tokens(world):
+    return TOKENS_WORLD_2 if world == 2 else TOKENS
 
 
 def _cases(world):
@@ -58,15 +66,16 @@ def _layer(case):
 
 def _inputs(case, world):
     g = torch.Generator().manual_seed(1000 + case["seed"])
-    total = sum(TOKENS[:world])
+    total = sum(_tokens(world)[:world])
     return torch.randn(total, D, generator=g, dtype=torch.float64), torch.randn(
         total, D, generator=g, dtype=torch.float64
     )
 
 
 def _token_slice(rank, world):
-    lo = sum(TOKENS[:rank])
-    return slice(lo, lo + TOKENS[rank])
+    tokens = _tokens(world)
+    lo = sum(tokens[:rank])
+    return slice(lo, lo + tokens[rank])
 
 
 def _run_case(case, layer, shards, x, cot, groups):

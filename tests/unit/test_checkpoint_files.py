@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dynmoe_dist.config import load_config
+from dynmoe_dist.parallel.reshard import dense_named_parameters
 from dynmoe_dist.train import checkpoint as ckpt
 from dynmoe_dist.train.checkpoint import CheckpointError, CheckpointManager, complete_checkpoints
 from dynmoe_dist.train.loop import Trainer
@@ -94,9 +95,40 @@ def test_architecture_mismatch_is_refused(tmp_path):
         CheckpointManager(other).resume(str(path))
 
 
+class _NotATensor:
+    """A custom class: torch.load(weights_only=True) must refuse to unpickle it."""
+
+    def __init__(self):
+        self.payload = [1, 2, 3]
+
+
 def test_checkpoint_files_load_with_weights_only(tmp_path):
+    # One process, ep size 1, one MoE layer (block 1) with 3 experts: rank 0 writes every file.
     t = _trainer(tmp_path)
     t.train_step()
     path = CheckpointManager(t).save()
-    for file in path.iterdir():
-        torch.load(file, weights_only=True)  # raises if anything but tensors and plain containers
+    assert sorted(f.name for f in path.iterdir()) == ["dense.pt", "experts_ep0.pt", "meta.pt"]
+    loaded = {f.name: torch.load(f, weights_only=True) for f in path.iterdir()}  # raises on any non-tensor pickle
+    meta, dense, experts = loaded["meta.pt"], loaded["dense.pt"], loaded["experts_ep0.pt"]
+    assert sorted(meta) == ["adaptive", "config", "num_experts", "placements", "recorders", "step", "trainer"]
+    assert meta["step"] == 1 and meta["num_experts"] == [3] and torch.is_tensor(meta["trainer"]["rng"])
+    assert meta["trainer"]["data"]["step"] == 1 and meta["recorders"] == {"window": None}
+    # dense.pt: every non-expert parameter by name (routers included), each with its Adam state after 1 step.
+    dense_names = sorted(n for n, _ in dense_named_parameters(t.model, t.shards))
+    assert sorted(dense) == ["params", "state"]
+    assert sorted(dense["params"]) == dense_names
+    assert "stack.blocks.1.ffn.router.weight" in dense_names and "stack.blocks.1.ffn.router.threshold" in dense_names
+    assert not any(".experts." in n for n in dense_names)
+    assert sorted(dense["state"]) == dense_names
+    # experts_ep0.pt: keyed "layer/logical expert": 0/0, 0/1, 0/2, each with its weights and their state.
+    assert sorted(experts) == ["0/0", "0/1", "0/2"]
+    for entry in experts.values():
+        assert sorted(entry) == ["params", "state"]
+        assert sorted(entry["params"]) == sorted(entry["state"]) == ["b_in", "b_out", "w_in", "w_out"]
+        assert all(torch.is_tensor(v) for v in entry["params"].values())
+    # The project's loader reads the same files, and refuses one that holds an arbitrary pickled object.
+    assert ckpt.load_file(path / "meta.pt")["step"] == 1
+    evil = path / "dense.pt"
+    torch.save({"params": {}, "state": {}, "hook": _NotATensor()}, evil)
+    with pytest.raises(CheckpointError, match=r"dense\.pt is corrupt or unreadable"):
+        ckpt.load_file(evil)

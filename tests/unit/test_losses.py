@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from dynmoe_dist.moe import losses
@@ -14,9 +15,16 @@ def _routing(mask, weights, probs=None):
 
 
 def test_diverse_loss_is_frobenius_norm_not_squared():
-    # Wn = [[1, 0], [.707, .707]]: Wn Wn^T - I has two off-diagonal entries 1/sqrt(2) -> sqrt(2 * 0.5) = 1.
-    w = torch.tensor([[2.0, 0.0], [1.0, 1.0]])
-    torch.testing.assert_close(losses.diverse_loss(w), torch.tensor(1.0))
+    # Values where norm and square differ (0 and 1 are their own squares, so they cannot tell).
+    # W = [[3, 0], [0, 2], [1, 1]] -> Wn = [[1, 0], [0, 1], [s, s]] with s = 1/sqrt(2).
+    # Wn Wn^T - I = [[0, 0, s], [0, 0, s], [s, s, 0]]: four entries s, sum of squares 4 * 0.5 = 2
+    # -> ||.||_F = sqrt(2) = 1.4142 (the square would be 2).
+    w = torch.tensor([[3.0, 0.0], [0.0, 2.0], [1.0, 1.0]])
+    torch.testing.assert_close(losses.diverse_loss(w), torch.tensor(math.sqrt(2.0)))
+    # Three parallel gate vectors (different lengths): Wn = three copies of [1, 0], Wn Wn^T = all ones,
+    # minus I leaves six off-diagonal ones -> sqrt(6) = 2.449 (the square would be 6).
+    parallel = torch.tensor([[1.0, 0.0], [2.0, 0.0], [5.0, 0.0]])
+    torch.testing.assert_close(losses.diverse_loss(parallel), torch.tensor(math.sqrt(6.0)))
     torch.testing.assert_close(losses.diverse_loss(torch.eye(3)), torch.tensor(0.0))
 
 
@@ -74,3 +82,66 @@ def test_reduce_sum_makes_split_batches_agree():
         other = iter(stats["order"])
         combined = loss(halves[0], lambda t, rest=other: t + next(rest))
         assert math.isclose(combined.item(), loss(full).item(), rel_tol=1e-6)
+
+
+def test_diverse_and_simple_losses_run_in_fp32_for_bf16_gates():
+    w = torch.tensor([[3.0, 0.0], [0.0, 2.0], [1.0, 1.0]], dtype=torch.bfloat16)
+    assert losses.diverse_loss(w).dtype == torch.float32
+    assert losses.simple_loss(w).dtype == torch.float32
+    torch.testing.assert_close(losses.simple_loss(w), torch.tensor((3.0 + 2.0 + math.sqrt(2.0)) / 3))
+
+
+def test_load_balance_with_one_routed_token_and_three_experts():
+    # E = 3; token 0 selects e0, e1 (weights .5, .5); token 1 has k = 0 and is left out: N = 1 routed.
+    # me = [.5, .5, 0], ce = [1, 1, 0] -> mean(me * ce) = 1/3 -> loss = E^2 / 3 = 3.
+    r = _routing([[1, 1, 0], [0, 0, 0]], [[0.5, 0.5, 0.0], [0.0, 0.0, 0.0]])
+    torch.testing.assert_close(losses.load_balance_loss(r), torch.tensor(3.0))
+
+
+def test_efficiency_of_a_single_pair():
+    # T = 1, E = 1, the token selects its only expert: mean_{t,e} g = 1.
+    torch.testing.assert_close(losses.efficiency_loss(_routing([[1]], [[1.0]])), torch.tensor(1.0))
+
+
+def test_switch_of_a_single_token():
+    # T = 1, E = 2: f = [1, 0] (its one pair went to e0), Pbar = [.75, .25] -> E * .75 = 1.5.
+    probs = torch.tensor([[0.75, 0.25]])
+    r = _routing([[1, 0]], [[1.0, 0.0]], probs)
+    torch.testing.assert_close(losses.switch_loss(probs, r), torch.tensor(1.5))
+
+
+def test_switch_loss_uses_the_reduced_sums_of_all_ranks():
+    # This rank: one token to e0 with probs [.75, .25]. The other rank: one token to e1, probs [.5, .5].
+    # Global: f = [.5, .5], Pbar = [.625, .375] -> 2 * (.5 * .625 + .5 * .375) = 1.0 (this rank alone: 1.5).
+    here_probs, there_probs = torch.tensor([[0.75, 0.25]]), torch.tensor([[0.5, 0.5]])
+    here = _routing([[1, 0]], [[1.0, 0.0]], here_probs)
+    there = _routing([[0, 1]], [[0.0, 1.0]], there_probs)
+    there_flat = torch.cat([t.reshape(-1) for t in losses.token_sums("switch", there)])
+    loss = losses.switch_loss(here_probs, here, reduce_sum=lambda flat: flat + there_flat)
+    torch.testing.assert_close(loss, torch.tensor(1.0))
+
+
+def test_three_token_losses_in_one_reduction_match_each_alone():
+    # The sums of load_balance (3 tensors), efficiency (2) and switch (3) share one flat reduction;
+    # each loss must get back exactly its own slices.
+    probs = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6], [0.5, 0.25, 0.25]])
+    r = _routing([[1, 1, 0], [0, 0, 1], [0, 0, 0]], [[0.5, 0.5, 0.0], [0.0, 0.0, 1.0], [0.0, 0.0, 0.0]], probs)
+    calls = []
+
+    def reduce_sum(flat):
+        calls.append(flat.numel())
+        return flat
+
+    together = losses.token_losses(["load_balance", "efficiency", "switch"], r, reduce_sum)
+    assert calls == [(1 + 3 + 3) + (1 + 1) + (3 + 1 + 3)]  # one reduction for all three
+    alone = [losses.load_balance_loss(r), losses.efficiency_loss(r), losses.switch_loss(probs, r)]
+    for got, want in zip(together, alone):
+        torch.testing.assert_close(got, want)
+    # efficiency: 3 selected pairs / (3 tokens x 3 experts) = 1/3
+    torch.testing.assert_close(together[1], torch.tensor(1.0 / 3.0))
+
+
+def test_token_sums_of_a_parameter_loss_is_refused_with_its_name():
+    r = _routing([[1, 0]], [[1.0, 0.0]])
+    with pytest.raises(ValueError, match=r"aux loss \('diverse'\) has no token statistics"):
+        losses.token_sums("diverse", r)

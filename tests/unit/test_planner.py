@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from planner_configs import planner_cfg
 
-from dynmoe_dist.config import AdaptiveConfig
-from dynmoe_dist.moe import MoEConfig
 from dynmoe_dist.planning.packing import pack_experts, rank_loads
 from dynmoe_dist.planning.placement import Placement
-from dynmoe_dist.planning.planner import PlannerConfig, imbalance, plan, plan_layer
+from dynmoe_dist.planning.planner import imbalance, plan, plan_layer
 from dynmoe_dist.planning.stats import WindowStats
 
 D = 3
@@ -24,15 +23,12 @@ def _stats(counts, unrouted=()):
 
 
 def _cfg(min_experts=1, max_experts=8, adapt_experts=True, **adaptive):
-    """A layer's planner inputs from the run config's own section types ([moe] and [adaptive])."""
-    moe = MoEConfig(
-        num_experts=min_experts,
-        min_experts=min_experts,
-        max_experts=max_experts,
-        router="top_any" if adapt_experts else "top_k",
-        top_k=1,
+    return planner_cfg(
+        min_experts,
+        max_experts,
+        adapt_experts,
+        **{"expert_init": "reuse_discarded", "replicate_factor": 1.5, **adaptive},
     )
-    return PlannerConfig(moe, AdaptiveConfig(**{"expert_init": "reuse_discarded", "replicate_factor": 1.5, **adaptive}))
 
 
 def _check_placement(p: Placement, num_experts: int):

@@ -102,6 +102,38 @@ def test_top_p_keeps_crossing_expert_with_raw_probs(p, expected):
     torch.testing.assert_close(r.weights, probs * r.mask)
 
 
+# Ties on exact binary boundaries. softmax(zeros(4)) is exactly 0.25 each; the mass BEFORE each sorted
+# rank is then exactly [0, 0.25, 0.5, 0.75], so "mass before <= p" and "mass before < p" differ exactly
+# when p is one of those values. (Random logits never hit a boundary, so only these cases pin the rule.)
+@pytest.mark.parametrize(
+    "p, num_kept",
+    [
+        (0.25, 2),  # 0.25 does not exceed 0.25; 0.25 + 0.25 = 0.5 does -> 2 kept (a strict '<' keeps 1)
+        (0.5, 3),  # 0.5 does not exceed 0.5; 0.75 does                 -> 3 kept (a strict '<' keeps 2)
+        (0.75, 4),  # 0.75 does not exceed 0.75; 1.0 does                -> 4 kept (a strict '<' keeps 3)
+        (1.0, 4),  # nothing exceeds 1.0: all 4 kept
+        (1e-9, 1),  # the first expert already exceeds p: at least one is always kept
+    ],
+)
+def test_top_p_uniform_ties_keep_the_crossing_expert_on_exact_boundaries(p, num_kept):
+    logits = torch.zeros(3, 4, dtype=torch.float64)
+    r = top_p(logits, p)
+    assert r.num_selected.tolist() == [num_kept] * 3
+    assert r.mask.sum(-1).tolist() == [num_kept] * 3
+    # Raw probabilities as weights: 0.25 on every kept expert, 0 elsewhere (ties make WHICH experts
+    # are kept an arbitrary choice of the sort; how many is fixed by the rule).
+    assert r.weights.tolist() == [[0.25 if m else 0.0 for m in row] for row in r.mask.tolist()]
+
+
+def test_top_p_two_way_tie_at_p_one_half_keeps_both():
+    # logits [0, 0, -inf, -inf] -> probs exactly [0.5, 0.5, 0, 0]; sorted mass before = [0, 0.5, 1, 1].
+    # p = 0.5: rank 0 (mass before 0) kept; rank 1 (mass before 0.5, not above 0.5) kept; ranks 2, 3 not.
+    # Expected mask [T, T, F, F] whatever the sort does with the tie (a strict '<' keeps only one).
+    r = top_p(torch.tensor([[0.0, 0.0, -math.inf, -math.inf]]), 0.5)
+    assert r.mask.tolist() == [[True, True, False, False]]
+    assert r.weights.tolist() == [[0.5, 0.5, 0.0, 0.0]]
+
+
 def _top_p_reference(probs, p):
     mask = torch.zeros_like(probs, dtype=torch.bool)
     for t in range(probs.shape[0]):
@@ -139,3 +171,40 @@ def test_bad_router_arguments():
         top_k(torch.zeros(2, 4), 5)
     with pytest.raises(ValueError, match=r"top_p \(0\.0\)"):
         top_p(torch.zeros(2, 4), 0.0)
+
+
+def test_top_k_and_top_p_gates_are_the_mask_and_k_is_per_token():
+    # 2 tokens, 4 experts. probs row 0 = [.5, .3, .15, .05], row 1 = [.05, .15, .3, .5].
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]], dtype=torch.float64)
+    r = top_k(probs.log(), 2)
+    assert r.mask.tolist() == [[True, True, False, False], [False, False, True, True]]
+    assert r.num_selected.tolist() == [2, 2]
+    assert r.gates.dtype == torch.float64 and r.gates.tolist() == r.mask.double().tolist()
+    # top-p 0.6: 0.5 does not exceed 0.6, 0.8 does -> 2 experts on both rows; p 0.4 -> 1 expert.
+    r = top_p(probs.log(), 0.6)
+    assert r.num_selected.tolist() == [2, 2]
+    assert r.gates.dtype == torch.float64 and r.gates.tolist() == r.mask.double().tolist()
+    assert top_p(probs.log(), 0.4).num_selected.tolist() == [1, 1]
+
+
+def test_top_k_and_top_p_softmax_in_fp32_for_bf16_logits():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]], dtype=torch.bfloat16)
+    for r in (top_k(logits, 2), top_p(logits, 0.5)):
+        assert r.probs.dtype == torch.float32 and r.weights.dtype == torch.float32
+        assert r.gates.dtype == torch.float32
+
+
+def test_top_p_above_one_is_refused():
+    with pytest.raises(ValueError, match=r"top_p \(1\.5\) must be in \(0, 1\]"):
+        top_p(torch.zeros(2, 4), 1.5)
+    assert top_p(torch.zeros(2, 4), 1.0).num_selected.tolist() == [4, 4]
+
+
+def test_top_any_scores_are_sigmoid_of_per_token_cosines():
+    # Gate rows of different lengths (row normalisation removes them) and tokens of different norms.
+    gate = torch.tensor([[2.0, 0.0], [0.0, 0.5], [-3.0, 0.0]])
+    tokens = torch.tensor([[1.0, 1.0], [-3.0, 0.0], [0.0, -0.5]])
+    s = 1 / math.sqrt(2)
+    cos = torch.tensor([[s, s, -s], [-1.0, 0.0, 1.0], [0.0, -1.0, 0.0]])
+    r = top_any(tokens, gate, torch.zeros(3), training=True)
+    torch.testing.assert_close(r.probs, torch.sigmoid(cos))
