@@ -183,6 +183,9 @@ class ParallelConfig:
     """Each expert across its expert-dp group (the ranks holding the same expert shard): 'replicate', or
     'fsdp' (FSDP2 fully_shard over that group; every rank runs every local expert each step, even on zero
     rows, so the collectives always line up)."""
+    fsdp_reshard_after_forward: bool = True
+    """FSDP frees each block's gathered weights after its forward and gathers them again for the backward
+    (least memory); false keeps them until the backward (one all-gather per block and step fewer)."""
 
     def __post_init__(self):
         _require(self.ep_size >= 0, f"parallel.ep_size ({self.ep_size}) must be >= 0")

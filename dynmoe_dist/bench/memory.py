@@ -68,7 +68,9 @@ def rank_case(spec: Dict) -> Dict:
         _shape(args), MoEConfig(num_experts=2 * groups.world_size, aux_loss_weight=0.01), 49152, args.seq_len
     )
     shards = parallelize(model, groups)
-    parallel = SimpleNamespace(dense_sharding=args.dense, expert_sharding="replicate")
+    parallel = SimpleNamespace(
+        dense_sharding=args.dense, expert_sharding="replicate", fsdp_reshard_after_forward=args.reshard_after_forward
+    )
     sharding = plan_sharding(parallel, groups, bf16=False)
     shard_experts(shards, sharding)
     shard_dense(model, shards, sharding)
@@ -119,6 +121,7 @@ def run_case(world: int, dense: str, args) -> Dict:
         "seq_len": args.seq_len,
         "batch_per_rank": args.batch_per_rank,
         "steps": args.steps,
+        "reshard_after_forward": args.reshard_after_forward,
     }
     per_rank = run_simulated(rank_case, world, args=(spec,), timeout_s=args.timeout_s)
     slowest = [max(steps) for steps in zip(*(r["step_s"] for r in per_rank))]
@@ -166,6 +169,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=65)
     p.add_argument("--batch-per-rank", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument(
+        "--no-reshard-after-forward",
+        dest="reshard_after_forward",
+        action="store_false",
+        help="keep gathered block weights from forward to backward (parallel.fsdp_reshard_after_forward)",
+    )
     p.add_argument("--timeout-s", type=float, default=900)
     return p
 

@@ -47,6 +47,7 @@ class Sharding:
     expert_mesh: Optional[DeviceMesh] = None
     """The expert-dp dimension of the (dp, ep) mesh: ranks with this rank's ep_rank."""
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()
+    reshard_after_forward: bool = True
 
     @property
     def any(self) -> bool:
@@ -80,7 +81,8 @@ def plan_sharding(parallel_config: Any, groups: ParallelGroups, bf16: bool) -> S
             if experts
             else None
         )
-    return Sharding(dense, experts, world_mesh, expert_mesh, policy)
+    reshard = bool(getattr(parallel_config, "fsdp_reshard_after_forward", True))
+    return Sharding(dense, experts, world_mesh, expert_mesh, policy, reshard)
 
 
 def _no_divide(module: nn.Module) -> None:
@@ -99,9 +101,21 @@ def shard_dense(model: nn.Module, shards: Sequence[LayerShard], sharding: Shardi
         p for shard in shards for module in (shard.layer.experts, shard.layer.router) for p in module.parameters()
     }
     for block in find_blocks(model):
-        fully_shard(block, mesh=sharding.world_mesh, ignored_params=ignored, mp_policy=sharding.mp_policy)
+        fully_shard(
+            block,
+            mesh=sharding.world_mesh,
+            ignored_params=ignored,
+            mp_policy=sharding.mp_policy,
+            reshard_after_forward=sharding.reshard_after_forward,
+        )
         _no_divide(block)
-    fully_shard(model, mesh=sharding.world_mesh, ignored_params=ignored, mp_policy=sharding.mp_policy)
+    fully_shard(
+        model,
+        mesh=sharding.world_mesh,
+        ignored_params=ignored,
+        mp_policy=sharding.mp_policy,
+        reshard_after_forward=sharding.reshard_after_forward,
+    )
     _no_divide(model)
 
 
@@ -116,7 +130,12 @@ def shard_experts(shards: Sequence[LayerShard], sharding: Sharding, optimizer: O
             if isinstance(module, FSDPModule):
                 continue
             plain = list(module.parameters())
-            fully_shard(module, mesh=sharding.expert_mesh, mp_policy=sharding.mp_policy)
+            fully_shard(
+                module,
+                mesh=sharding.expert_mesh,
+                mp_policy=sharding.mp_policy,
+                reshard_after_forward=sharding.reshard_after_forward,
+            )
             _no_divide(module)
             if optimizer is not None:
                 for old, new in zip(plain, module.parameters()):

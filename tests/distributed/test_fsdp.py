@@ -66,12 +66,12 @@ def _trainer(config):
     return trainer, AdaptiveController(trainer, CollectiveCoordinator(trainer.groups))
 
 
-def adaptive_run(dense, experts, ep_size):
+def adaptive_run(dense, experts, ep_size, extra=()):
     from dynmoe_dist.parallel.fsdp import is_sharded, local
     from dynmoe_dist.parallel.reshard import dense_named_parameters
     from dynmoe_dist.train.run import step_once
 
-    trainer, adaptive = _trainer(_config(dense, experts, ep_size))
+    trainer, adaptive = _trainer(_config(dense, experts, ep_size, extra=extra))
     losses, counts, events = [], [], []
     for _ in range(STEPS):
         record, new = step_once(trainer, adaptive)
@@ -233,3 +233,14 @@ def test_gate_edits_survive_the_next_step_under_bf16_and_fsdp():
         assert float((result["after"][0] - gate).abs().max()) <= 1.001 * lr
         assert abs(float(result["after"][1])) <= 1.001 * lr
         assert torch.isfinite(torch.tensor(result["loss"]))
+
+
+def gathered_weights_kept_run():
+    return adaptive_run("fsdp", "fsdp", 2, extra=["parallel.fsdp_reshard_after_forward=false"])
+
+
+def test_keeping_gathered_weights_until_the_backward_changes_nothing_but_memory():
+    ref = _reference()
+    for rank in run_simulated(gathered_weights_kept_run, 2, timeout_s=300):
+        assert rank["counts"] == ref["counts"]
+        _assert_losses(rank["losses"], ref["losses"], "fsdp_reshard_after_forward=false")
