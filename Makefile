@@ -37,7 +37,7 @@ quickstart: setup
 	sh launcher/loopback.sh env PYTHON=$(PY) sh launcher/torchrun.sh 2 --config launcher/configs/quickstart.toml
 
 # Mutation testing of the pure packages moe/ and planning/ against the unit tests that exercise them
-# (selection and settings: [tool.mutmut] in pyproject.toml). About 30 minutes on 2 cores. mutmut 3 keeps
+# (selection and settings: [tool.mutmut] in pyproject.toml). 15 to 30 minutes on 2 shared cores. mutmut 3 keeps
 # its results in mutants/; `make mutation` starts from a clean copy each time. Survivors are listed at
 # the end; `$(VENV)/bin/mutmut show NAME` prints one mutant's diff.
 MUTMUT := $(VENV)/bin/mutmut
