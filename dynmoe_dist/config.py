@@ -212,7 +212,8 @@ class AdaptiveConfig:
     window_end: float = 2 / 3
     """Recording window end (the adaptation event happens here), as a fraction of each epoch."""
     period_steps: int = 0
-    """If > 0, ignore the epoch fractions: record over the last period_steps steps of every period."""
+    """If > 0, the window repeats every period_steps optimizer steps instead of every epoch (window_start
+    and window_end are then fractions of that period)."""
     max_adds_per_event: int = 1
     """Experts added per layer and event at most (when tokens found no expert)."""
     expert_init: str = "reuse_discarded"
