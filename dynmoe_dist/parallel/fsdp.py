@@ -109,12 +109,14 @@ def shard_dense(model: nn.Module, shards: Sequence[LayerShard], sharding: Shardi
             reshard_after_forward=sharding.reshard_after_forward,
         )
         _no_divide(block)
+    # The root keeps its weights gathered from forward to backward (FSDP's own default for the root): its
+    # head and embedding are the first and last thing the backward needs, so freeing them saves nothing.
     fully_shard(
         model,
         mesh=sharding.world_mesh,
         ignored_params=ignored,
         mp_policy=sharding.mp_policy,
-        reshard_after_forward=sharding.reshard_after_forward,
+        reshard_after_forward=False,
     )
     _no_divide(model)
 
