@@ -10,6 +10,7 @@ import functools
 
 import pytest
 import torch
+from tiny_runs import tiny_run_overrides
 
 from dynmoe_dist.config import load_config
 from dynmoe_dist.parallel.simulate import run_simulated
@@ -20,29 +21,7 @@ STEPS = 16
 
 
 def _config(ep_size):
-    return load_config(
-        None,
-        [
-            "moe.num_experts=5",
-            "moe.max_experts=8",
-            f"parallel.ep_size={ep_size}",
-            "train.precision='float64'",
-            f"train.max_steps={STEPS}",
-            "train.global_batch_size=12",
-            "train.lr=0.003",
-            "train.warmup_steps=2",
-            "task.num_samples=300",
-            "task.max_len=10",
-            "model.dim=16",
-            "model.num_heads=2",
-            "model.ffn_dim=24",
-            "model.num_layers=2",
-            "model.moe_layers=[0, 1]",
-            "adaptive.period_steps=6",
-            "adaptive.expert_init='average'",
-            "adaptive.replicate_factor=1.2",
-        ],
-    )
+    return load_config(None, tiny_run_overrides(ep_size, STEPS, period=6, expert_init="average"))
 
 
 def _trainer(ep_size):

@@ -14,6 +14,7 @@ import json
 
 import pytest
 import torch
+from tiny_runs import tiny_run_overrides
 
 from dynmoe_dist.config import load_config
 from dynmoe_dist.parallel.simulate import run_simulated
@@ -25,24 +26,7 @@ def _config(dense="replicate", experts="replicate", ep_size=0, extra=()):
     return load_config(
         None,
         [
-            "moe.num_experts=5",
-            "moe.max_experts=8",
-            f"parallel.ep_size={ep_size}",
-            "train.precision='float64'",
-            f"train.max_steps={STEPS}",
-            "train.global_batch_size=12",
-            "train.lr=0.003",
-            "train.warmup_steps=2",
-            "task.num_samples=300",
-            "task.max_len=10",
-            "model.dim=16",
-            "model.num_heads=2",
-            "model.ffn_dim=24",
-            "model.num_layers=2",
-            "model.moe_layers=[0, 1]",
-            "adaptive.period_steps=5",
-            "adaptive.expert_init='average'",
-            "adaptive.replicate_factor=1.2",
+            *tiny_run_overrides(ep_size, STEPS, period=5, expert_init="average"),
             f"parallel.dense_sharding='{dense}'",
             f"parallel.expert_sharding='{experts}'",
             "output.progress=false",
