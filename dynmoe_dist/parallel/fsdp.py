@@ -49,10 +49,6 @@ class Sharding:
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()
     reshard_after_forward: bool = True
 
-    @property
-    def any(self) -> bool:
-        return self.dense or self.experts
-
 
 def plan_sharding(parallel_config: Any, groups: ParallelGroups, bf16: bool) -> Sharding:
     """The sharding a run will use; FSDP on a world of one rank warns and trains plainly. Builds the

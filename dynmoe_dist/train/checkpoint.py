@@ -94,10 +94,13 @@ class CheckpointManager:
         root = checkpoint_root(t.config.output.out_dir)
         final = root / f"step_{t.step:06d}"
         tmp = root / f"step_{t.step:06d}.tmp"
-        # Every rank builds every payload: under FSDP, full tensors are gathered collectively.
         window = self._summed_window()
-        optimizer = self._optimizer_state().state_dict()
-        dense, experts = self._dense_payload(optimizer["dense"]), self._expert_payload(optimizer["experts"])
+        # Only the ranks that write a payload copy its tensors to the host; under FSDP every rank of the
+        # group a payload is gathered over builds it too (full_tensor is a collective).
+        optimizer = self._optimizer_state()
+        writes_dense, writes_experts = t.is_rank0, t.groups.dp_rank == 0
+        dense = self._dense_payload(optimizer.dense_state()) if writes_dense or t.sharding.dense else None
+        experts = self._expert_payload(optimizer.expert_state()) if writes_experts or t.sharding.experts else None
         if t.is_rank0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True, exist_ok=True)

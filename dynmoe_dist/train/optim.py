@@ -100,10 +100,15 @@ class OptimizerState:
         return {name: _cpu_state(state[p]) for name, p in named.items() if p in state}
 
     def state_dict(self) -> Dict:
-        return {
-            "dense": self._states(self.dense),
-            "experts": {key: self._states(params) for key, params in self.owned_experts.items()},
-        }
+        return {"dense": self.dense_state(), "experts": self.expert_state()}
+
+    # The two halves apart: a checkpoint builds each only on the ranks that write it (or, under FSDP,
+    # on every rank that must take part in gathering it).
+    def dense_state(self) -> Dict:
+        return self._states(self.dense)
+
+    def expert_state(self) -> Dict:
+        return {key: self._states(params) for key, params in self.owned_experts.items()}
 
     def load_state_dict(self, saved: Dict) -> None:
         self._load(self.dense, saved["dense"])

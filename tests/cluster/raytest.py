@@ -230,3 +230,32 @@ def assert_losses_equal(out_dir: Path, reference: Path, rel: float = 1e-6) -> No
     assert sorted(got) == sorted(want) and want, (sorted(got)[:5], sorted(want)[:5])
     worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
     assert worst <= rel, f"largest relative loss difference {worst:.3g} > {rel:g}"
+
+
+def local_submit(python: str, storage: Path, name: str, timeout_s: float = 300):
+    """launcher/ray_submit.sh --local with the demo config for 30 steps, as the README gives it: a
+    temporary head on 127.0.0.1, the job, then only that head's processes stopped. Returns the finished
+    process and the job's ray_summary.json (the caller asserts on the return code first)."""
+    env = {**os.environ, "PYTHON": python, "RAY_PORT": str(free_port()), "RAY_DASHBOARD_PORT": str(free_port())}
+    cmd = [
+        "sh",
+        "launcher/ray_submit.sh",
+        "--local",
+        "--config",
+        DEMO,
+        "--num-workers",
+        "2",
+        "--storage-path",
+        str(storage),
+        "--name",
+        name,
+        "--set",
+        "train.max_steps=30",
+        "--set",
+        "output.progress=false",
+        "--set",
+        "output.report=false",
+    ]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done, json.loads((storage / name / "ray_summary.json").read_text())

@@ -2,8 +2,6 @@
 dynmoe_dist, dynmoe_dist.cluster and dynmoe_dist.kernels resolve from the uploaded tree, with no
 editable-install finder to help (slow: copies the virtualenv and builds a wheel)."""
 
-import json
-import os
 import shutil
 import subprocess
 import sys
@@ -11,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import needs_ray
-from raytest import free_port
+from raytest import local_submit
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(900)]
@@ -30,27 +28,5 @@ def test_ray_job_with_a_regular_install(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
     listed = subprocess.run([str(python), "-m", "pip", "show", "-f", "dynmoe_dist"], capture_output=True, text=True)
     assert "dynmoe_dist/cluster/submit.py" in listed.stdout and "__editable__" not in listed.stdout
-    env = {**os.environ, "PYTHON": str(python), "RAY_PORT": str(free_port()), "RAY_DASHBOARD_PORT": str(free_port())}
-    cmd = [
-        "sh",
-        "launcher/ray_submit.sh",
-        "--local",
-        "--config",
-        "launcher/configs/demo.toml",
-        "--num-workers",
-        "2",
-        "--storage-path",
-        str(tmp_path / "runs"),
-        "--name",
-        "regular",
-        "--set",
-        "train.max_steps=30",
-        "--set",
-        "output.report=false",
-        "--set",
-        "output.progress=false",
-    ]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    summary = json.loads((tmp_path / "runs" / "regular" / "ray_summary.json").read_text())
+    _, summary = local_submit(str(python), tmp_path / "runs", "regular", timeout_s=600)
     assert summary["steps"] == 30 and summary["planned_by"] == ["ray"]

@@ -80,4 +80,4 @@ def test_fsdp_on_one_rank_warns_and_trains_plainly():
     config = load_config(None, ["parallel.dense_sharding='fsdp'", "parallel.expert_sharding='fsdp'"])
     with pytest.warns(UserWarning, match="world of 1 rank"):
         sharding = plan_sharding(config.parallel, single_process(), bf16=False)
-    assert not sharding.any
+    assert not (sharding.dense or sharding.experts)

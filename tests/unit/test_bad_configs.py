@@ -12,32 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_runs import tiny_cli_args
 
 from dynmoe_dist.train.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = [
-    "--set",
-    "task.num_samples=64",
-    "--set",
-    "task.max_len=8",
-    "--set",
-    "model.dim=16",
-    "--set",
-    "model.num_heads=2",
-    "--set",
-    "model.ffn_dim=16",
-    "--set",
-    "train.global_batch_size=8",
-    "--set",
-    "train.max_steps=2",
-    "--set",
-    "output.progress=false",
-    "--set",
-    "output.tensorboard=false",
-    "--set",
-    "output.report=false",
-]
+TINY = tiny_cli_args(64, 2)
 
 
 def _set(*pairs):

@@ -3,34 +3,12 @@
 import json
 
 import pytest
+from cli_runs import tiny_cli_args
 
 from dynmoe_dist.config import SECTIONS
 from dynmoe_dist.train.cli import main, parser
 
-TINY = [
-    "--set",
-    "task.num_samples=120",
-    "--set",
-    "task.max_len=8",
-    "--set",
-    "model.dim=16",
-    "--set",
-    "model.num_heads=2",
-    "--set",
-    "model.ffn_dim=16",
-    "--set",
-    "train.global_batch_size=8",
-    "--set",
-    "train.max_steps=6",
-    "--set",
-    "adaptive.period_steps=3",
-    "--set",
-    "output.progress=false",
-    "--set",
-    "output.tensorboard=false",
-    "--set",
-    "output.report=false",
-]
+TINY = tiny_cli_args(120, 6, "adaptive.period_steps=3")
 
 
 def test_help_lists_every_option():
