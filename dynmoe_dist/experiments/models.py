@@ -67,12 +67,15 @@ def dynmoe_init(init: str) -> ModelSpec:
 
 
 def dynmoe_losses(name: str, label: str, losses: Tuple[str, ...]) -> ModelSpec:
-    """DynMoE (reuse discarded, the reference init) with an explicit loss set: wins over any preset."""
+    """DynMoE on the reference settings (moe.preset 'paper', reuse discarded) with an explicit loss set.
+    The preset is pinned so the ablation measures the losses alone, and a change of the project's
+    default preset neither changes these runs nor invalidates their saved results."""
     return ModelSpec(
         name,
         label,
         (
             "moe.router='top_any'",
+            "moe.preset='paper'",
             "adaptive.enabled=true",
             "adaptive.expert_init='reuse_discarded'",
             _losses_value(losses),

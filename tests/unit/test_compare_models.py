@@ -61,10 +61,19 @@ def test_model_overrides_reach_the_config(tmp_path):
 
 
 def test_default_models_drop_a_duplicate_config(tmp_path):
-    # dynmoe-losses-four names the four losses the preset gives dynmoe-reuse_discarded: the same run.
-    kept = compare.without_duplicates(list(MODELS), lambda m: _config(m, tmp_path))
+    # Under the 'paper' preset dynmoe-reuse_discarded gets the four losses that dynmoe-losses-four names
+    # (it pins that preset): the same run, kept once.
+    paper = ["moe.preset='paper'"]
+    kept = compare.without_duplicates(list(MODELS), lambda m: _config(m, tmp_path, dynmoe_overrides=paper))
     assert "dynmoe-losses-four" not in kept and "dynmoe-reuse_discarded" in kept
     assert len(kept) == len(MODELS) - 1
+
+
+def test_loss_models_pin_the_reference_preset(tmp_path):
+    # The loss ablation measures the losses on the reference settings, whatever --dynmoe-set or the
+    # project's default preset say.
+    config = _config("dynmoe-no-efficiency", tmp_path, dynmoe_overrides=["moe.preset='paper-v1'"])
+    assert config.moe.preset == "paper"
 
 
 def test_minilm_preset_is_the_shortened_quickstart(tmp_path):
