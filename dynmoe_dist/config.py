@@ -25,7 +25,6 @@ PRECISIONS = ("float32", "float64", "bf16")
 SHARDINGS = ("replicate", "fsdp")
 ACTIVATION_CHECKPOINTING = ("none", "block")
 MODEL_SOURCES = ("builtin", "hf")
-BERT_IMPLS = ("builtin", "transformers")
 
 
 @dataclass
@@ -77,13 +76,9 @@ class ModelConfig:
     in model.moe_layers upcycled; model.num_layers must then equal its number of blocks)."""
     path: str = ""
     """source='hf': a local directory (config.json + safetensors) or a .gguf file; nothing is downloaded."""
-    bert_impl: str = "builtin"
-    """MiniLM of minilm-sentiment / jsonl: 'builtin' (models/bert.py) or 'transformers' (transformers.BertModel,
-    models/hf/minilm.py); the same weights and function. Both stay until the quick start is measured on each."""
 
     def __post_init__(self):
         _require(self.source in MODEL_SOURCES, f"model.source ({self.source!r}) must be one of {MODEL_SOURCES}")
-        _require(self.bert_impl in BERT_IMPLS, f"model.bert_impl ({self.bert_impl!r}) must be one of {BERT_IMPLS}")
         _require(
             self.source != "hf" or bool(self.path),
             "model.path ('') must name a model directory or .gguf file when model.source is 'hf'",

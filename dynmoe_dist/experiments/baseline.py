@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from ..config import TaskConfig
-from ..models.bert import BertClassifier, load_bert
+from ..models.hf.minilm import HFSentenceClassifier, load_minilm
 from ..tasks import build_task
 
 
 @torch.no_grad()
-def embed_split(model: BertClassifier, tensors, batch_size: int) -> np.ndarray:
+def embed_split(model: HFSentenceClassifier, tensors, batch_size: int) -> np.ndarray:
     """L2-normalised mean-pooled embeddings (N, D), as sentence-transformers returns for this model."""
     outs = []
     for start in range(0, tensors["tokens_BL"].shape[0], batch_size):
@@ -50,7 +50,7 @@ def run(args) -> dict:
         )
     )
     built = time.perf_counter()
-    model = BertClassifier(load_bert(num_layers=args.num_layers), task.num_classes).eval()
+    model = HFSentenceClassifier(load_minilm(num_layers=args.num_layers), task.num_classes).eval()
     train_ND = embed_split(model, task.splits["train"], args.batch_size)
     test_ND = embed_split(model, task.splits["test"], args.batch_size)
     embedded = time.perf_counter()

@@ -368,10 +368,9 @@ def make_plan(args) -> Plan:
 def ffn_shape(config: RunConfig) -> Tuple[int, int]:
     """(D, F) of one expert / dense FFN: the model section's, or the pre-trained MiniLM block's."""
     if config.task.name == "minilm-sentiment":
-        from ..models.bert import BertConfig, minilm_dir
+        from ..models.hf.minilm import ffn_shape as pretrained_ffn_shape
 
-        bert = BertConfig.from_json(minilm_dir() / "config.json")
-        return bert.hidden_size, bert.intermediate_size
+        return pretrained_ffn_shape()
     return config.model.dim, config.model.ffn_dim
 
 

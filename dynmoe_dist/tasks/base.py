@@ -86,7 +86,6 @@ TASK_OPTIONS: FrozenSet[str] = frozenset(
         "model.source",
         "model.path",
         "task.tokenizer",
-        "model.bert_impl",  # the MiniLM tasks' model: models/bert.py or transformers.BertModel
     }
 )
 

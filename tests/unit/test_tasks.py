@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dynmoe_dist.config import ModelConfig, RunConfig, TaskConfig
-from dynmoe_dist.moe import MoEConfig, MoELayer
+from dynmoe_dist.moe import MoEConfig
 from dynmoe_dist.tasks import TASKS, assets, build_task, split_indices, vision
 from dynmoe_dist.tasks.common import freeze_parameters, subset_indices
 from dynmoe_dist.tasks.text import load_rotten_tomatoes, read_jsonl
@@ -180,22 +180,10 @@ def _train_step(task, model, n=4):
 
 
 def test_sentiment_model_upcycles_freezes_and_trains(sentiment):
-    model = sentiment.build_model(_run_config(num_layers=2, moe_layers=[1], freeze=["embeddings", "layers.0"]))
-    assert len(model.layers) == 2 and isinstance(model.layers[1].ffn, MoELayer)
-    assert model.layers[1].ffn.config.dim == 384 and model.layers[1].ffn.config.ffn_dim == 1536
-    out = _train_step(sentiment, model)
-    assert out.logits.shape == (4, 2) and out.aux_loss.item() > 0
-    assert model.embeddings.word.weight.grad is None and model.layers[0].ffn.w_in.grad is None
-    assert model.layers[1].ffn.router.weight.grad is not None and model.head.weight.grad is not None
-
-
-def test_sentiment_model_on_transformers_bert_upcycles_freezes_and_trains(sentiment):
     from dynmoe_dist.hf import MoEBlock
 
-    # the built-in freeze names work on the transformers model too
-    model = sentiment.build_model(
-        _run_config(num_layers=2, moe_layers=[1], freeze=["embeddings", "layers.0"], bert_impl="transformers")
-    )
+    # the short freeze names of the run files map onto the transformers model
+    model = sentiment.build_model(_run_config(num_layers=2, moe_layers=[1], freeze=["embeddings", "layers.0"]))
     layers = model.bert.encoder.layer
     assert len(layers) == 2 and isinstance(layers[1].intermediate, MoEBlock)
     moe = layers[1].intermediate.moe
@@ -208,15 +196,9 @@ def test_sentiment_model_on_transformers_bert_upcycles_freezes_and_trains(sentim
     assert layers[1].output.LayerNorm.weight.grad is not None  # LayerNorm stays outside the MoE, trained
 
 
-@pytest.mark.parametrize("impl", ["builtin", "transformers"])
-def test_sentiment_model_rejects_too_many_layers(sentiment, impl):
+def test_sentiment_model_rejects_too_many_layers(sentiment):
     with pytest.raises(ValueError, match=r"num_layers \(7\)"):
-        sentiment.build_model(_run_config(num_layers=7, moe_layers=[1], bert_impl=impl))
-
-
-def test_bert_impl_names_the_option_and_value():
-    with pytest.raises(ValueError, match=r"model.bert_impl \('hf'\) must be one of \('builtin', 'transformers'\)"):
-        ModelConfig(bert_impl="hf")
+        sentiment.build_model(_run_config(num_layers=7, moe_layers=[1]))
 
 
 def test_freeze_matches_whole_name_parts():
@@ -309,10 +291,7 @@ def test_jsonl_model_trains(tmp_path):
         ]
     ]
     task = build_task(TaskConfig(name="jsonl", path=str(_write_jsonl(tmp_path / "d.jsonl", records)), max_len=8))
-    model = task.build_model(_run_config(num_layers=1, moe_layers=[0]))
-    out = _train_step(task, model, n=task.size("train"))
-    assert out.logits.shape == (4, 2) and model.layers[0].ffn.experts.experts[1].w_out.grad is not None
-    hf = task.build_model(_run_config(num_layers=1, moe_layers=[0], bert_impl="transformers"))
+    hf = task.build_model(_run_config(num_layers=1, moe_layers=[0]))
     out = _train_step(task, hf, n=task.size("train"))
     assert out.logits.shape == (4, 2)
     assert hf.bert.encoder.layer[0].intermediate.moe.experts.experts[1].w_out.grad is not None

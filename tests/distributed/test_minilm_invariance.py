@@ -1,6 +1,6 @@
-"""minilm-sentiment on transformers.BertModel (model.bert_impl = 'transformers'; the quick start's model
-with its upcycled top layer) trains the same on 1 and 2 ranks, experts expert-parallel over both
-(float64 per-step losses to 1e-9), like the built-in BERT does (tests/distributed/test_invariance.py)."""
+"""minilm-sentiment (transformers.BertModel, the quick start's model with its upcycled top layer) trains the
+same on 1 and 2 ranks, experts expert-parallel over both (float64 per-step losses to 1e-9), like the built
+models do (tests/distributed/test_invariance.py)."""
 
 import os
 
@@ -25,7 +25,6 @@ def minilm_losses(world):
             "model.num_layers=2",
             "model.moe_layers=[1]",
             "model.freeze=['embeddings']",
-            "model.bert_impl='transformers'",
             "moe.num_experts=4",
             f"parallel.ep_size={world}",
             "train.precision='float64'",
