@@ -18,8 +18,8 @@ TRAIN_K0_MODES = ("zero", "top1")
 EVAL_K0_MODES = ("top1", "skip")
 EXPERT_COMPUTE = ("auto", "grouped_mm", "loop")
 
+# The baselines' losses; a top-any layer takes its moe.preset's (default_aux_losses below).
 DEFAULT_AUX = {
-    "top_any": ("diverse", "simple", "load_balance", "efficiency"),
     "top_k": ("switch",),
     "top_p": ("switch",),
 }
@@ -28,10 +28,14 @@ DEFAULT_AUX = {
 # option the user did not set (dynmoe_dist.config.with_preset), and only under the top-any router: a
 # preset describes DynMoE, and the top-k / top-p baselines keep their own defaults.
 #   paper     the authors' released code (the ICLR revision's DeepSpeed variant, docs/algorithm.md): four
-#             losses, top-1 fallback at evaluation, recycled experts
+#             losses, top-1 fallback at evaluation, recycled experts, an expert added whenever any token
+#             of the window selected none
 #   paper-v1  the first paper version: the same, with L_div + L_simple only
-#   project   this project's default. Today the same as 'paper'; the comparison (docs/results.md) decides
-#             what it becomes: change its entries here, and every run without moe.preset follows.
+#   project   this project's default, chosen by the comparison in docs/results.md: the first version's
+#             two losses (L_lb drives k to 0: 50-78 % of the tokens skip the layer with it on), and the
+#             project's own growth rule: an expert is added only when more than 1 % of the window's
+#             tokens selected none (under the reference rule a handful of tokens add one at nearly every
+#             window and layers fill to max_experts; added experts were never removed)
 _PAPER = {
     "moe.aux_losses": ("diverse", "simple", "load_balance", "efficiency"),
     "moe.aux_loss_weight": 0.01,
@@ -40,11 +44,12 @@ _PAPER = {
     "moe.threshold_init": 0.0,
     "adaptive.expert_init": "reuse_discarded",
     "adaptive.max_adds_per_event": 1,
+    "adaptive.min_unrouted_share": 0.0,
 }
 PRESETS = {
     "paper": _PAPER,
     "paper-v1": {**_PAPER, "moe.aux_losses": ("diverse", "simple")},
-    "project": dict(_PAPER),
+    "project": {**_PAPER, "moe.aux_losses": ("diverse", "simple"), "adaptive.min_unrouted_share": 0.01},
 }
 DEFAULT_PRESET = "project"
 
@@ -58,6 +63,14 @@ ROUTER_FIELDS = {
     "eval_k0": ("top_any",),
     "preset": ("top_any",),
 }
+
+
+def default_aux_losses(router: str, preset: str) -> Tuple[str, ...]:
+    """The losses a layer gets when none are named: a top-any layer its preset's (so a bare MoEConfig
+    agrees with a run config), the baselines their router's."""
+    if router == "top_any" and preset in PRESETS:
+        return tuple(PRESETS[preset]["moe.aux_losses"])
+    return DEFAULT_AUX.get(router, ())
 
 
 def _require(ok: bool, message: str) -> None:
@@ -140,7 +153,7 @@ class MoEConfig:
     aux_loss_weight: float = 0.01
     """Weight of the summed auxiliary losses of this layer."""
     aux_losses: Optional[Tuple[str, ...]] = None
-    """Auxiliary losses that are on; None means the router's default (see DEFAULT_AUX)."""
+    """Auxiliary losses that are on; None means the default: top-any takes its preset's, the others DEFAULT_AUX."""
     activation: str = "gelu"
     """Expert activation: 'gelu' (erf), 'gelu_tanh' (GPT-2's gelu_new), 'relu' or 'silu'. Upcycling takes
     it from the dense block."""
@@ -164,13 +177,14 @@ class MoEConfig:
     """Named DynMoE settings for every moe / adaptive option you do not set yourself (top-any runs only):
     'paper' (the authors' released code: 4 aux losses, top-1 eval fallback, reuse_discarded init),
     'paper-v1' (the same with the original diverse + simple losses only) or 'project' (this project's
-    choice; today equal to 'paper'). See PRESETS in dynmoe_dist/moe/config.py for every value."""
+    choice, from docs/results.md: diverse + simple, and an expert is added only when over 1 % of the window's
+    tokens selected none). See PRESETS in dynmoe_dist/moe/config.py for every value."""
 
     def __post_init__(self) -> None:
         if self.max_experts is None:
             self.max_experts = self.num_experts * 2
         if self.aux_losses is None:
-            self.aux_losses = DEFAULT_AUX.get(self.router, ())
+            self.aux_losses = default_aux_losses(self.router, self.preset)
         self.aux_losses = tuple(self.aux_losses)
         self.validate()
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dynmoe_dist.experiments import compare, stats
-from dynmoe_dist.experiments.models import FOUR_LOSSES, MODELS
+from dynmoe_dist.experiments.models import MODELS
 from dynmoe_dist.experiments.summary import RunSummary, aggregate, paired_results, paired_table, skip_table
 
 
@@ -43,21 +43,16 @@ def test_model_overrides_reach_the_config(tmp_path):
         "reuse_discarded",
     )
     assert _config("dynmoe-no-diverse", tmp_path).moe.aux_losses == ("simple", "load_balance", "efficiency")
-    assert _config("dynmoe-random", tmp_path).moe.aux_losses == FOUR_LOSSES  # the preset's losses
+    assert _config("dynmoe-random", tmp_path).moe.aux_losses == ("diverse", "simple")  # the preset's losses
     # --dynmoe-set reaches every DynMoE model, but a loss model's own loss set wins over it
-    two = ['moe.aux_losses=["diverse", "simple"]']
-    assert _config("dynmoe-average", tmp_path, dynmoe_overrides=two).moe.aux_losses == ("diverse", "simple")
-    assert _config("dynmoe-no-simple", tmp_path, dynmoe_overrides=two).moe.aux_losses == (
+    one = ['moe.aux_losses=["diverse"]']
+    assert _config("dynmoe-average", tmp_path, dynmoe_overrides=one).moe.aux_losses == ("diverse",)
+    assert _config("dynmoe-no-simple", tmp_path, dynmoe_overrides=one).moe.aux_losses == (
         "diverse",
         "load_balance",
         "efficiency",
     )
-    assert _config("dense", tmp_path, dynmoe_overrides=two).moe.aux_losses == (
-        "diverse",
-        "simple",
-        "load_balance",
-        "efficiency",
-    )  # untouched default
+    assert _config("dense", tmp_path, dynmoe_overrides=one).moe.aux_losses == ("diverse", "simple")  # untouched
 
 
 def test_default_models_drop_a_duplicate_config(tmp_path):

@@ -72,10 +72,12 @@ def test_values_on_the_allowed_edges_are_accepted(kwargs):
 
 
 def test_aux_losses_default_per_router_and_become_a_tuple():
-    assert MoEConfig(router="top_any").aux_losses == ("diverse", "simple", "load_balance", "efficiency")
+    # a bare top-any layer takes its preset's losses, as a run config does
+    assert MoEConfig(router="top_any").aux_losses == ("diverse", "simple")
+    assert MoEConfig(router="top_any", preset="paper").aux_losses == ("diverse", "simple", "load_balance", "efficiency")
     assert MoEConfig(router="top_k").aux_losses == ("switch",)
-    assert MoEConfig(router="top_p").aux_losses == ("switch",)
-    assert DEFAULT_AUX["top_any"] == ("diverse", "simple", "load_balance", "efficiency")
+    assert MoEConfig(router="top_p", preset="paper").aux_losses == ("switch",)
+    assert "top_any" not in DEFAULT_AUX
     assert MoEConfig(aux_losses=["simple"]).aux_losses == ("simple",)
 
 

@@ -8,14 +8,17 @@ from dynmoe_dist.moe.config import DEFAULT_PRESET, PRESETS, MoEConfig
 FOUR = ("diverse", "simple", "load_balance", "efficiency")
 
 
-def test_default_preset_keeps_the_current_defaults():
+def test_default_preset_is_the_project_choice():
     config = load_config(None, [])
     assert (config.moe.preset, config.moe.aux_losses, config.adaptive.expert_init) == (
         DEFAULT_PRESET,
-        FOUR,
+        ("diverse", "simple"),
         "reuse_discarded",
     )
+    assert config.adaptive.min_unrouted_share == 0.01
     assert "moe.aux_losses" not in config.explicit  # a preset's value is not the user's
+    paper = load_config(None, ["moe.preset='paper'"])
+    assert (paper.moe.aux_losses, paper.adaptive.min_unrouted_share) == (FOUR, 0.0)
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
