@@ -324,14 +324,20 @@ class Plan:
         )
 
 
+def training_key(config: RunConfig) -> str:
+    """What decides the training of a run: the config without the output section and without the preset's
+    name (a preset only fills in values, which stay in the key)."""
+    data = {k: v for k, v in config.to_dict().items() if k != "output"}
+    data["moe"] = {k: v for k, v in data["moe"].items() if k != "preset"}
+    return json.dumps(data, sort_keys=True, default=str)
+
+
 def without_duplicates(models: Sequence[str], config_of) -> List[str]:
-    """Models whose run config (the output section aside) differs from every earlier model's: the same
-    config trains the same run, so 'default' runs it once."""
+    """Models whose training differs from every earlier model's (training_key): the same config trains the
+    same run, so 'default' runs it once."""
     kept, seen = [], set()
     for model in models:
-        key = json.dumps(
-            {k: v for k, v in config_of(model).to_dict().items() if k != "output"}, sort_keys=True, default=str
-        )
+        key = training_key(config_of(model))
         if key not in seen:
             kept.append(model)
             seen.add(key)
@@ -409,7 +415,8 @@ def run_plan(plan: Plan, reuse: bool = True, log=_log) -> List[ModelRow]:
 
 
 def settings_lines(plan: Plan) -> List[str]:
-    c = plan.config(plan.models[0], plan.seeds[0])
+    # An MoE model's config: the dense model's has no MoE layers to describe.
+    c = build_config(plan.task, MODELS["top1"], plan.seeds[0], plan.epochs, plan.out_dir, plan.overrides)
     task = build_task(c.task)
     source = getattr(task, "source", c.task.name)
     return [

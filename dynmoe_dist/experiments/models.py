@@ -34,8 +34,12 @@ def _losses_value(names: Tuple[str, ...]) -> str:
 
 
 def dense() -> ModelSpec:
-    # No MoE layer: every block keeps its dense FFN (width F), so it costs what top-1 costs per token.
-    return ModelSpec("dense", "dense (no MoE)", ("model.moe_layers=[]", "adaptive.enabled=false"), "dense")
+    # No MoE layer: every block keeps its dense FFN (width F), so it costs what top-1 costs per token. The
+    # preset is pinned (it fills moe options the model never reads) so that a change of the project's
+    # default preset does not invalidate its saved runs.
+    return ModelSpec(
+        "dense", "dense (no MoE)", ("model.moe_layers=[]", "moe.preset='paper'", "adaptive.enabled=false"), "dense"
+    )
 
 
 def top_k(k: int) -> ModelSpec:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dynmoe_dist.experiments import compare, stats
-from dynmoe_dist.experiments.models import MODELS
+from dynmoe_dist.experiments.models import FOUR_LOSSES, MODELS
 from dynmoe_dist.experiments.summary import RunSummary, aggregate, paired_results, paired_table, skip_table
 
 
@@ -52,16 +52,25 @@ def test_model_overrides_reach_the_config(tmp_path):
         "load_balance",
         "efficiency",
     )
-    assert _config("dense", tmp_path, dynmoe_overrides=one).moe.aux_losses == ("diverse", "simple")  # untouched
+    dense = _config("dense", tmp_path, dynmoe_overrides=one)
+    assert dense.moe.aux_losses == FOUR_LOSSES and dense.moe.preset == "paper"  # untouched: its pinned preset
 
 
 def test_default_models_drop_a_duplicate_config(tmp_path):
-    # Under the 'paper' preset dynmoe-reuse_discarded gets the four losses that dynmoe-losses-four names
-    # (it pins that preset): the same run, kept once.
+    # The project preset fills in the values dynmoe-losses-paper names (on preset 'paper'): the same
+    # training under two preset names, run once. Under 'paper' it is dynmoe-losses-four's turn.
+    kept = compare.without_duplicates(list(MODELS), lambda m: _config(m, tmp_path))
+    assert "dynmoe-losses-paper" not in kept and "dynmoe-reuse_discarded" in kept
+    assert len(kept) == len(MODELS) - 1
     paper = ["moe.preset='paper'"]
     kept = compare.without_duplicates(list(MODELS), lambda m: _config(m, tmp_path, dynmoe_overrides=paper))
-    assert "dynmoe-losses-four" not in kept and "dynmoe-reuse_discarded" in kept
+    assert "dynmoe-losses-four" not in kept and "dynmoe-losses-paper" in kept
     assert len(kept) == len(MODELS) - 1
+    # one value apart is a different run
+    growth = ["adaptive.min_unrouted_share=0.01"]
+    assert len(
+        compare.without_duplicates(list(MODELS), lambda m: _config(m, tmp_path, dynmoe_overrides=growth))
+    ) == len(MODELS)
 
 
 def test_loss_models_pin_the_reference_preset(tmp_path):
