@@ -66,11 +66,12 @@ def test_default_models_drop_a_duplicate_config(tmp_path):
     kept = compare.without_duplicates(list(MODELS), lambda m: _config(m, tmp_path, dynmoe_overrides=paper))
     assert "dynmoe-losses-four" not in kept and "dynmoe-losses-paper" in kept
     assert len(kept) == len(MODELS) - 1
-    # one value apart is a different run
-    growth = ["adaptive.min_unrouted_share=0.01"]
-    assert len(
-        compare.without_duplicates(list(MODELS), lambda m: _config(m, tmp_path, dynmoe_overrides=growth))
-    ) == len(MODELS)
+    # the preset's name alone does not make a different run; one value does
+    base = _config("dynmoe-losses-paper", tmp_path)
+    same = _config("dynmoe-reuse_discarded", tmp_path)
+    other = _config("dynmoe-reuse_discarded", tmp_path, dynmoe_overrides=["adaptive.min_unrouted_share=0.01"])
+    assert (base.moe.preset, same.moe.preset) == ("paper", "project")
+    assert compare.training_key(base) == compare.training_key(same) != compare.training_key(other)
 
 
 def test_loss_models_pin_the_reference_preset(tmp_path):
