@@ -99,3 +99,75 @@ def test_new_experts_follow_the_config_and_init_normal_zero_mean():
         assert abs(float(w.mean())) < 0.05 and 0.45 < float(w.std()) < 0.55
     default = FeedForward(64, 64)
     assert 0.018 < float(default.w_in.detach().std()) < 0.022  # the default init_std is 0.02
+
+
+def test_compute_mode_choice_on_cuda_takes_grouped_mm_for_bf16_only():
+    # use_grouped_mm reads only the rows' device kind and dtype: stand-ins give the CUDA answers on CPU.
+    class Rows:
+        def __init__(self, is_cuda, dtype):
+            self.is_cuda, self.dtype = is_cuda, dtype
+
+    cuda_bf16, cuda_fp32 = Rows(True, torch.bfloat16), Rows(True, torch.float32)
+    assert use_grouped_mm("auto", cuda_bf16) is True
+    assert use_grouped_mm("auto", cuda_fp32) is False
+    assert use_grouped_mm("loop", cuda_bf16) is False  # 'loop' is never overridden by 'auto'
+    assert use_grouped_mm("grouped_mm", Rows(False, torch.float32)) is True
+
+
+def _bank_and_calls(run_every_expert):
+    # Three experts, counts [2, 0, 1]: rows 0-1 go to expert 0, none to expert 1, row 2 to expert 2.
+    torch.manual_seed(0)
+    bank = ExpertBank.fresh(MoEConfig(dim=4, ffn_dim=6, num_experts=3, expert_compute="loop"), 3)
+    bank.run_every_expert = run_every_expert
+    calls = []
+    for i, expert in enumerate(bank.experts):
+        expert.register_forward_hook(lambda m, args, out, i=i: calls.append((i, args[0].shape[0])))
+    return bank, calls
+
+
+@pytest.mark.parametrize("run_every_expert", [False, True])
+def test_loop_calls_experts_without_rows_only_when_every_expert_must_run(run_every_expert):
+    bank, calls = _bank_and_calls(run_every_expert)
+    rows, counts = torch.randn(3, 4), torch.tensor([2, 0, 1])
+    out = bank(rows, counts, (2, 0, 1))
+    # (expert, rows it was called on): expert 1 has none and runs only when every expert must
+    assert calls == ([(0, 2), (1, 0), (2, 1)] if run_every_expert else [(0, 2), (2, 1)])
+    want = torch.cat([bank.experts[0](rows[:2]), bank.experts[2](rows[2:])])
+    torch.testing.assert_close(out, want)
+    # Without the sizes the loop reads the counts itself: the same output.
+    torch.testing.assert_close(bank(rows, counts), want)
+
+
+@pytest.mark.parametrize("run_every_expert", [False, True])
+def test_loop_makes_no_host_read_when_the_sizes_are_given(run_every_expert):
+    from dynmoe_dist.bench.host_reads import HostReadCounter
+
+    bank, _ = _bank_and_calls(run_every_expert)
+    rows, counts = torch.randn(3, 4), torch.tensor([2, 0, 1])
+
+    def reads_in_experts(*sizes):
+        with HostReadCounter() as reads:
+            bank(rows, counts, *sizes)
+        return [site for _, site in reads.calls if site.startswith("experts.py")]
+
+    assert reads_in_experts((2, 0, 1)) == []
+    assert len(reads_in_experts()) == 1  # the counts' tolist, once
+
+
+def test_grouped_path_makes_no_host_read_of_its_own():
+    # The slot of every row comes from repeat_interleave with the known row count: no sync.
+    from dynmoe_dist.bench.host_reads import HostReadCounter
+
+    torch.manual_seed(0)
+    bank = ExpertBank.fresh(MoEConfig(dim=8, ffn_dim=16, num_experts=3, expert_compute="grouped_mm"), 3)
+    rows, counts = torch.randn(5, 8), torch.tensor([2, 0, 3])
+    with HostReadCounter() as reads:
+        out = bank(rows, counts)
+    assert [site for _, site in reads.calls if site.startswith("experts.py")] == []
+    torch.testing.assert_close(out, reference_forward(list(bank.experts), rows, counts), rtol=1e-5, atol=1e-6)
+
+
+def test_reference_forward_of_no_rows_is_empty():
+    experts = [FeedForward(4, 6), FeedForward(4, 6)]
+    out = reference_forward(experts, torch.zeros(0, 4), torch.tensor([0, 0]))
+    assert out.shape == (0, 4)

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dynmoe_dist.moe import ExpertBank, GatedFeedForward, MoEConfig, MoELayer, upcycle
 from dynmoe_dist.moe.experts import ACTIVATION_FNS, expert_param_specs, new_expert, reference_forward
@@ -76,7 +77,7 @@ def test_bank_rejects_wrong_expert_kind():
     cfg = MoEConfig(dim=4, ffn_dim=8, num_experts=1, expert_kind="gated")
     from dynmoe_dist.moe import FeedForward
 
-    with pytest.raises(ValueError, match=r"expert_kind \('gated'\) needs GatedFeedForward"):
+    with pytest.raises(ValueError, match=r"expert_kind \('gated'\) needs GatedFeedForward experts, got FeedForward$"):
         ExpertBank(cfg, [FeedForward(4, 8)])
 
 
@@ -104,3 +105,33 @@ def test_upcycled_gated_block_computes_dense_and_trains():
     (out.output.sum() + out.aux_loss).backward()
     assert all(e.w_gate.grad is not None for e in layer.experts.experts)
     assert layer.router.threshold.grad is not None
+
+
+def test_gated_defaults_are_llama_s_no_biases_silu_and_normal_init():
+    # gate_proj / up_proj / down_proj without biases, SiLU, weights N(0, 0.02^2): over 64 x 128 = 8192
+    # draws the sample mean is within 0.002 of 0 (its standard error is 0.02 / 90 = 0.0002) and the
+    # sample standard deviation within 0.001 of 0.02 (standard error 0.02 / 128 = 0.00016).
+    torch.manual_seed(0)
+    block = GatedFeedForward(64, 128)
+    assert (block.b_gate, block.b_in, block.b_out, block.activation) == (None, None, None, "silu")
+    assert block.w_gate.shape == block.w_in.shape == (128, 64) and block.w_out.shape == (64, 128)
+    for w in (block.w_gate, block.w_in, block.w_out):
+        assert abs(w.mean().item()) < 0.002
+        assert abs(w.std().item() - 0.02) < 0.001
+
+
+def test_gated_expert_casts_fp32_weights_and_biases_to_bf16_rows():
+    # fp32 master weights, bf16 rows (autocast): every weight and bias is cast to the rows' dtype, the
+    # output is bf16 and equals w_out (silu(w_gate x + b_gate) * (w_in x + b_in)) + b_out within bf16.
+    torch.manual_seed(0)
+    block = GatedFeedForward(4, 8, bias=True)
+    with torch.no_grad():
+        for b in (block.b_gate, block.b_in, block.b_out):
+            b.normal_()
+    rows = torch.randn(3, 4).bfloat16()
+    out = block(rows)
+    assert out.dtype == torch.bfloat16 and block.w_gate.dtype == torch.float32
+    x = rows.float()
+    hidden = F.silu(x @ block.w_gate.t() + block.b_gate) * (x @ block.w_in.t() + block.b_in)
+    want = hidden @ block.w_out.t() + block.b_out
+    torch.testing.assert_close(out.float(), want, rtol=0.05, atol=0.05)

@@ -46,3 +46,9 @@ def test_option_is_validated_and_documented():
     assert load_config(None, ["adaptive.min_unrouted_share=0.1"]).adaptive.min_unrouted_share == 0.1
     with pytest.raises(ValueError, match=r"adaptive.min_unrouted_share \(1.0\) must be in \[0, 1\)"):
         AdaptiveConfig(min_unrouted_share=1.0)
+
+
+def test_a_one_token_window_divides_by_its_one_token():
+    # 1 token, unrouted: share 1 / 1 = 1.0 > 0.75 (a floor of 2 tokens would make it 0.5 and grow nothing).
+    assert wants_new_expert(_window(1, 1), AdaptiveConfig(min_unrouted_share=0.75))
+    assert not wants_new_expert(_window(1, 0), AdaptiveConfig(min_unrouted_share=0.0))  # nobody unrouted

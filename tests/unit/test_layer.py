@@ -32,7 +32,9 @@ def test_aux_loss_is_weighted_sum_of_selected_losses():
     want = 0.5 * (losses.diverse_loss(layer.router.weight) + losses.efficiency_loss(out.routing))
     torch.testing.assert_close(out.aux_loss, want)
     assert MoEConfig(router="top_k").aux_losses == ("switch",)
-    assert MoEConfig().aux_losses == ("diverse", "simple", "load_balance", "efficiency")
+    # a bare top-any layer takes its preset's losses: the project preset's two, the paper preset's four
+    assert MoEConfig().aux_losses == ("diverse", "simple")
+    assert MoEConfig(preset="paper").aux_losses == ("diverse", "simple", "load_balance", "efficiency")
 
 
 @pytest.mark.parametrize("router", ["top_any", "top_k"])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dynmoe_dist import MoEConfig, MoELayer
-from dynmoe_dist.moe.layer import SoftmaxRouter
+from dynmoe_dist.moe.layer import LocalDispatcher, LocalMeta, SoftmaxRouter, is_recomputing, recomputing
 
 
 def _all_k0_layer(**kwargs):
@@ -67,6 +67,59 @@ def test_routing_observers_see_the_layer_the_flat_tokens_and_the_routing():
     lyr, x_TD, routing = seen[0]
     assert lyr is layer and routing is out.routing
     assert x_TD.shape == (10, 4) and torch.equal(x_TD, x.reshape(10, 4))
+
+
+def test_observers_skip_a_forward_that_activation_checkpointing_replays():
+    # The replayed forward (inside recomputing()) was observed once already; one level of nesting is
+    # enough to count as replaying, and leaving the context ends it.
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(dim=4, ffn_dim=6, num_experts=3))
+    seen = []
+    layer.routing_observers.append(lambda lyr, x_TD, routing: seen.append(x_TD.shape[0]))
+    x = torch.randn(5, 4)
+    layer(x)
+    assert not is_recomputing() and seen == [5]
+    with recomputing():
+        assert is_recomputing()
+        layer(x)
+    assert not is_recomputing() and seen == [5]
+    layer(x[:2])
+    assert seen == [5, 2]
+
+
+def test_layer_on_the_grouped_mm_path_hands_the_expert_counts_to_the_bank():
+    # The grouped path takes its segments from the counts tensor (the loop from the Python sizes):
+    # forced grouped_mm on CPU must give the loop's output for the same layer and tokens.
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(dim=8, ffn_dim=16, num_experts=3, threshold_init=-0.2, expert_compute="grouped_mm"))
+    x = torch.randn(7, 8)
+    grouped = layer(x)
+    assert grouped.routing.num_selected.sum() > 3  # several rows over several experts
+    layer.config.expert_compute = "loop"  # the bank shares the layer's config
+    torch.testing.assert_close(grouped.output, layer(x).output)
+
+
+class _MetaWithoutSizes:
+    """A dispatcher of its own whose metadata is a plain tuple: no sizes_e, so the bank reads the counts."""
+
+    def __init__(self):
+        self.local = LocalDispatcher()
+
+    def dispatch(self, x_TD, routing):
+        rows_RD, counts_e, meta = self.local.dispatch(x_TD, routing)
+        return rows_RD, counts_e, (meta.token_R, meta.weight_R, meta.num_tokens)
+
+    def combine(self, rows_RD, meta):
+        return self.local.combine(rows_RD, LocalMeta(*meta))
+
+
+def test_a_dispatcher_whose_metadata_has_no_sizes_gives_the_same_output():
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(dim=4, ffn_dim=6, num_experts=3, threshold_init=-0.2))
+    x = torch.randn(6, 4)
+    want = layer(x).output
+    layer.dispatcher = _MetaWithoutSizes()
+    torch.testing.assert_close(layer(x).output, want)
 
 
 def test_wrong_last_dimension_of_a_3d_input_names_that_dimension():

@@ -145,3 +145,41 @@ def test_token_sums_of_a_parameter_loss_is_refused_with_its_name():
     r = _routing([[1, 0]], [[1.0, 0.0]])
     with pytest.raises(ValueError, match=r"aux loss \('diverse'\) has no token statistics"):
         losses.token_sums("diverse", r)
+
+
+def test_token_sums_are_one_dimensional_in_the_routing_weights_dtype():
+    # float64 weights, float32 gates and probs, bool mask: every sum comes back 1-D in float64 (the
+    # weights' dtype), so the one flat buffer that reduce_together hands to the collective has the
+    # routing's dtype whatever dtypes the mask, gates and probabilities carry.
+    # mask [[1, 0], [1, 1]], weights [[1, 0], [.5, .5]], probs [[.75, .25], [.5, .5]]; T = 2, E = 2.
+    mask = torch.tensor([[True, False], [True, True]])
+    weights = torch.tensor([[1.0, 0.0], [0.5, 0.5]], dtype=torch.float64)
+    probs = torch.tensor([[0.75, 0.25], [0.5, 0.5]])
+    r = Routing(mask, weights, mask.sum(-1), mask.float(), probs)
+    # entropy: token 0 has -(.75 ln .75 + .25 ln .25), token 1 two halves: ln 2
+    h0 = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))
+    want = {
+        # routed tokens 2; weights per expert [1 + .5, .5]; selections per expert [2, 1]
+        "load_balance": [[2.0], [1.5, 0.5], [2.0, 1.0]],
+        # gate sum 3 selected pairs; T * E = 4
+        "efficiency": [[3.0], [4.0]],
+        # pairs per expert [2, 1]; T = 2; probability mass per expert [.75 + .5, .25 + .5]
+        "switch": [[2.0, 1.0], [2.0], [1.25, 0.75]],
+        "entropy": [[h0 + math.log(2.0)], [2.0]],
+    }
+    for name, expected in want.items():
+        got = losses.token_sums(name, r)
+        assert len(got) == len(expected), name
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, torch.tensor(e, dtype=torch.float64), msg=name)  # checks dtype too
+
+
+def test_entropy_of_a_single_token_is_not_divided_below_one():
+    # T = 1: probs [.5, .5] -> entropy ln 2, mean over the one token ln 2; the token term carries
+    # ENTROPY_RELATIVE_WEIGHT (0.01): 0.01 * ln 2 = 0.006931.
+    probs = torch.tensor([[0.5, 0.5]])
+    r = Routing(
+        torch.tensor([[True, False]]), torch.tensor([[1.0, 0.0]]), torch.tensor([1]), torch.tensor([[1.0, 0.0]]), probs
+    )
+    (term,) = losses.token_losses(["entropy"], r)
+    torch.testing.assert_close(term, torch.tensor(0.01 * math.log(2.0)))

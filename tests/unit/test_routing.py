@@ -75,6 +75,17 @@ def test_gate_math_runs_in_fp32():
     assert r.probs.dtype == torch.float32 and r.weights.dtype == torch.float32
 
 
+def test_bf16_threshold_is_compared_in_fp32():
+    # A bf16 threshold G = 0.1 is stored as 0.10009765625; its sigmoid in fp32 is 0.52500, but rounded to
+    # bf16 (spacing 2^-8 on [.5, 1)) it would be 134 / 256 = 0.5234375 = sigmoid(0.0938). A token with
+    # cos = 0.097 lies between the two: sigmoid(0.097) = 0.5242 < 0.5250, so the fp32 gate math (the
+    # threshold upcast before its sigmoid) does not select it; cos = 0.103 > 0.1001 is selected either way.
+    gate = torch.tensor([[1.0, 0.0]])
+    tokens = torch.tensor([[c, math.sqrt(1.0 - c * c)] for c in (0.097, 0.103)])
+    r = top_any(tokens, gate, torch.tensor([0.1], dtype=torch.bfloat16), training=True)
+    assert r.mask.tolist() == [[False], [True]]
+
+
 def test_top_k_renormalises_kept_probabilities():
     r = top_k(torch.tensor([[2.0, 1.0, 0.0, -1.0]]), 2)
     assert r.mask.tolist() == [[True, True, False, False]]

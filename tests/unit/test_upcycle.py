@@ -81,3 +81,22 @@ def test_experts_of_an_existing_moe_layer_are_not_dense_blocks():
 def test_layer_index_equal_to_the_number_of_blocks_is_refused():
     with pytest.raises(ValueError, match=r"layers entry \(2\) out of range: the model has 2 dense FFN blocks"):
         upcycle(_nested_model(), MoEConfig(num_experts=2), layers=[2])
+
+
+def test_dim_overrides_that_are_no_valid_dims_are_ignored_not_validated():
+    # dim and ffn_dim always come from the dense block, so override values are dropped before any
+    # MoEConfig is built: 0 (which MoEConfig refuses: dim must be >= 1) must not reach it.
+    model = _nested_model()
+    upcycle(model, num_experts=2, dim=0, ffn_dim=0)
+    layer = model.get_submodule("blocks.0.ffn")
+    assert (layer.config.dim, layer.config.ffn_dim, len(layer.experts)) == (8, 16, 2)
+
+
+def test_a_gated_block_gives_a_gated_layer_whatever_the_config_says():
+    from dynmoe_dist.moe import GatedFeedForward
+
+    model = nn.ModuleDict({"mlp": GatedFeedForward(8, 12, activation="silu")})
+    upcycle(model, MoEConfig(num_experts=2, expert_kind="ffn"))
+    layer = model["mlp"]
+    assert (layer.config.expert_kind, layer.config.activation, layer.config.expert_bias) == ("gated", "silu", False)
+    assert all(isinstance(e, GatedFeedForward) for e in layer.experts.experts)

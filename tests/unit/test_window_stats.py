@@ -111,3 +111,23 @@ def test_flat_layout_and_round_trip():
     flat64.zero_()  # the parts are copies, not views of the message
     assert again.counts_E.tolist() == COUNTS and again.unrouted_sum_ED.tolist() == UNROUTED
     assert again.num_unrouted_E.tolist() == NUM_UNROUTED and again.k_hist_K.tolist() == K_HIST
+
+
+def _fields(s):
+    return (s.counts_E, s.unrouted_sum_ED, s.num_unrouted_E, s.k_hist_K)
+
+
+def test_stats_stay_on_the_device_they_were_made_on_and_pull_batches_there():
+    # The meta device stands in for the layer's accelerator on a CPU-only machine: the zeros are made
+    # there, .to() moves every field there, and a CPU batch is moved to them before it is added.
+    on_meta = WindowStats.empty(3, 2, 4, device="meta")
+    assert [t.device.type for t in _fields(on_meta)] == ["meta"] * 4
+    on_meta.add_tokens(SELECTED, SCORES, X)
+    assert [t.device.type for t in _fields(on_meta)] == ["meta"] * 4
+    moved = _recorded().to("meta")
+    assert [(t.device.type, tuple(t.shape)) for t in _fields(moved)] == [
+        ("meta", (3,)),
+        ("meta", (3, 2)),
+        ("meta", (3,)),
+        ("meta", (5,)),
+    ]
