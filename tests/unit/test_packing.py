@@ -58,3 +58,26 @@ def test_two_shares_of_one_expert_never_land_on_one_rank():
 )
 def test_imbalance(loads, want):
     assert imbalance(loads) == pytest.approx(want)
+
+
+def test_a_replica_option_after_a_pruned_one_can_still_win():
+    # Loads 1, 6, 10 on 5 ranks, factor 1.1: mean 3.4, hot above 3.74: e1 -> ceil(6 / 3.4) = 2 replicas,
+    # e2 -> ceil(10 / 3.4) = 3. Options [1, 2, 3], [1, 3, 4], [1, 4, 5], [1, 5, 5].
+    # [1, 2, 3]: shares 3.33 x 3, 3 x 2, 1: five ranks, the 1 joins a 3 -> best max 4 (LPT reaches it).
+    # [1, 3, 4]: shares 2.5 x 4, 2 x 3, 1: its 5th + 6th largest shares 2 + 2 = 4 cannot beat 4 with more
+    #   replicas: skipped, but the search goes on.
+    # [1, 4, 5]: shares 2 x 5, 1.5 x 4, 1: 2 + 1.5 on four ranks, 2 + 1 on one -> max 3.5 < 4: wins.
+    # [1, 5, 5]: every rank holds 2 + 1.2, one also the 1 -> 4.2: loses.
+    placement, _ = pack_experts([1.0, 6.0, 10.0], [[0], [1], [2]], 5, replicate_factor=1.1)
+    assert [placement.num_replicas(e) for e in range(3)] == [1, 4, 5]
+    assert max(rank_loads(placement, [1.0, 6.0, 10.0])) == 3.5
+
+
+def test_max_loads_equal_to_six_decimals_tie_and_fewer_moves_win():
+    # Homes: e0, e1 on rank 0, e2, e3 on rank 1; loads 5, 5.0000001, 5, 4.9999999 (not hot).
+    # Staying put: ranks 10.0000001 and 9.9999999, no move. LPT: e1 -> 0, e0 -> 1, e2 -> 1 (5 < 5.0000001),
+    # e3 -> 0: ranks 10.0 and 10.0 (to the last bit), two moves (e0, e3); the capped sticky packing is the same.
+    # Rounded to 6 decimals both maxima are 10.0, so the placement with no move wins.
+    loads = [5.0, 5.0000001, 5.0, 4.9999999]
+    placement, moves = pack_experts(loads, [[0], [0], [1], [1]], 2)
+    assert (placement.experts_on(0), placement.experts_on(1), moves) == ([0, 1], [2, 3], 0)
