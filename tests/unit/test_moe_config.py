@@ -1,8 +1,11 @@
-"""MoEConfig validation: every bound the layer config checks, each with its field and value in the message."""
+"""MoEConfig validation: every bound the layer config checks, each with its field and value in the message;
+and the generic value-type check every config section uses (conforms, describe)."""
+
+from typing import List, Optional, Tuple
 
 import pytest
 
-from dynmoe_dist.moe.config import DEFAULT_AUX, MoEConfig
+from dynmoe_dist.moe.config import DEFAULT_AUX, MoEConfig, _scalar_ok, conforms, describe
 
 
 @pytest.mark.parametrize("min_experts", [0, -1])
@@ -41,6 +44,8 @@ def test_max_experts_defaults_to_twice_num_experts():
         (dict(aux_losses=("diverse", "bogus")), r"aux_losses entry \('bogus'\) must be one of"),
         (dict(aux_losses=("diverse", "entropy")), r"aux_losses entry \('entropy'\) needs a softmax router"),
         (dict(activation="tanh"), r"activation \('tanh'\) must be one of"),
+        (dict(expert_kind="moe"), r"expert_kind \('moe'\) must be one of \('ffn', 'gated'\)"),
+        (dict(preset="paper-v2"), r"preset \('paper-v2'\) must be one of \('paper', 'paper-v1', 'project'\)"),
         (dict(train_k0="skip"), r"train_k0 \('skip'\) must be one of"),
         (dict(eval_k0="zero"), r"eval_k0 \('zero'\) must be one of"),
         (dict(expert_compute="einsum"), r"expert_compute \('einsum'\) must be one of"),
@@ -86,3 +91,76 @@ def test_validate_rechecks_after_a_field_is_changed():
     config.min_experts = 0
     with pytest.raises(ValueError, match=r"min_experts \(0\)"):
         config.validate()
+
+
+@pytest.mark.parametrize(
+    "value, kind, ok",
+    [
+        (True, bool, True),
+        (False, bool, True),
+        (1, bool, False),  # 1 is no boolean
+        (3, int, True),
+        (True, int, False),  # nor is `true` an integer, though bool subclasses int
+        (2.5, int, False),
+        (3, float, True),  # a number may be written as an integer
+        (2.5, float, True),
+        (False, float, False),
+        ("2.5", float, False),
+        ("x", str, True),
+        (1, str, False),
+    ],
+)
+def test_scalar_kinds(value, kind, ok):
+    assert _scalar_ok(value, kind) is ok
+
+
+@pytest.mark.parametrize(
+    "value, annotation, ok",
+    [
+        (3, int, True),
+        ("3", int, False),
+        (None, Optional[int], True),  # Optional: None, or a value of the inner type
+        (3, Optional[int], True),
+        ("x", Optional[int], False),
+        (["a", "b"], List[str], True),  # a list of any length, every entry of the type
+        ([], List[str], True),
+        ("ab", List[str], False),  # a string is no list
+        (["a", 1], List[str], False),
+        (("a",), Tuple[str, ...], True),
+        (["a", 2], Tuple[str, ...], False),
+        (None, Optional[Tuple[str, ...]], True),
+        (["a"], Optional[Tuple[str, ...]], True),
+        ([1, "a"], Tuple[int, str], True),  # a fixed tuple: exactly that many, each of its own type
+        (["a", 1], Tuple[int, str], False),
+        ([1, 2], Tuple[int, int], True),
+        ([1, 2, 3], Tuple[int, int], False),
+        ([1], Tuple[int, int], False),
+        ([0.9, 1], Tuple[float, float], True),
+    ],
+)
+def test_conforms(value, annotation, ok):
+    assert conforms(value, annotation) is ok
+
+
+def test_conforms_refuses_an_unknown_field_type():
+    with pytest.raises(TypeError, match=r"config fields of type <class 'dict'> are not supported by conforms\(\)"):
+        conforms({}, dict)
+
+
+@pytest.mark.parametrize(
+    "annotation, text",
+    [
+        (int, "an integer"),
+        (float, "a number"),
+        (str, "a string"),
+        (bool, "true or false"),
+        (Optional[float], "a number"),
+        (List[str], "a list of strings"),
+        (Tuple[str, ...], "a list of strings"),
+        (Optional[Tuple[str, ...]], "a list of strings"),
+        (Tuple[float, float], "a list of 2 numbers"),
+        (Tuple[int, int, int], "a list of 3 integers"),
+    ],
+)
+def test_describe(annotation, text):
+    assert describe(annotation) == text
