@@ -45,8 +45,14 @@ class Shapes:
 def our_layer(shapes: Shapes, groups: ParallelGroups, router: str, seed: int = 0) -> MoELayer:
     """Our MoE layer sharded over the ep group; the same seed gives the same weights on every rank."""
     torch.manual_seed(seed)
+    # preset 'paper': the figures in docs/benchmarks.md time top-any with the reference's four aux losses
     config = MoEConfig(
-        dim=shapes.dim, ffn_dim=shapes.ffn_dim, num_experts=shapes.num_experts(groups.ep_size), router=router, top_k=2
+        dim=shapes.dim,
+        ffn_dim=shapes.ffn_dim,
+        num_experts=shapes.num_experts(groups.ep_size),
+        router=router,
+        top_k=2,
+        preset="paper",
     )
     layer = MoELayer(config)
     parallelize(layer, groups)

@@ -31,7 +31,14 @@ def reference_layer(router: str, num_experts: int = 8, dim: int = 32, ffn_dim: i
     """A float64 CPU layer; top_any's last expert has an unreachable threshold (an expert with no rows)."""
     torch.manual_seed(seed)
     config = MoEConfig(
-        dim=dim, ffn_dim=ffn_dim, num_experts=num_experts, router=router, top_k=2, top_p=0.4, threshold_init=0.2
+        dim=dim,
+        ffn_dim=ffn_dim,
+        num_experts=num_experts,
+        router=router,
+        top_k=2,
+        top_p=0.4,
+        threshold_init=0.2,
+        preset="paper",  # all four aux losses: the most code under test
     )
     layer = MoELayer(config).double().train()
     with torch.no_grad():

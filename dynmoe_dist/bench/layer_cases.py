@@ -63,6 +63,7 @@ def build_layer(spec: CaseSpec, router: str, expert_compute: str = "auto") -> Mo
         router=router,
         top_k=spec.k,
         expert_compute=expert_compute,
+        preset="paper",  # docs/benchmarks.md times top-any with the reference's four aux losses
     )
     torch.manual_seed(spec.seed)
     experts = ExpertBank.fresh(config, spec.num_experts)

@@ -414,6 +414,21 @@ def run_plan(plan: Plan, reuse: bool = True, log=_log) -> List[ModelRow]:
 # Outputs
 
 
+def model_line(c: RunConfig) -> str:
+    """The model of a run config: the built model's shape, or the pre-trained MiniLM's (ffn_shape)."""
+    dim, ffn_dim = ffn_shape(c)
+    if c.task.name == "minilm-sentiment":
+        shape = f"pre-trained all-MiniLM-L6-v2 (dim {dim}, FFN/expert dim {ffn_dim}), first {c.model.num_layers} layers"
+        shape += f", frozen: {', '.join(c.model.freeze) or 'none'}"
+    else:
+        shape = f"dim {dim}, {c.model.num_layers} blocks, {c.model.num_heads} heads, FFN/expert dim {ffn_dim}"
+    return (
+        f"- model: {shape}, MoE in blocks {list(c.model.moe_layers)}, {c.moe.num_experts} experts each "
+        f"(DynMoE: {c.moe.min_experts}..{c.moe.max_experts})"
+        + (f", patch {c.model.patch_size}" if c.task.name == "vit-mnist" else "")
+    )
+
+
 def settings_lines(plan: Plan) -> List[str]:
     # An MoE model's config: the dense model's has no MoE layers to describe.
     c = build_config(plan.task, MODELS["top1"], plan.seeds[0], plan.epochs, plan.out_dir, plan.overrides)
@@ -422,10 +437,7 @@ def settings_lines(plan: Plan) -> List[str]:
     return [
         f"- task: `{plan.task}` ({source}), {task.size('train')} train / {task.size('test')} test samples "
         f"(split seed {c.task.seed})",
-        f"- model: dim {c.model.dim}, {c.model.num_layers} blocks, {c.model.num_heads} heads, FFN/expert dim "
-        f"{c.model.ffn_dim}, MoE in blocks {list(c.model.moe_layers)}, {c.moe.num_experts} experts each "
-        f"(DynMoE: {c.moe.min_experts}..{c.moe.max_experts})"
-        + (f", patch {c.model.patch_size}" if plan.task == "vit-mnist" else ""),
+        model_line(c),
         f"- training: {plan.epochs} epochs x {plan.steps_per_epoch} steps, batch {c.train.global_batch_size}, "
         f"AdamW lr {c.train.lr:g} (warm-up {c.train.warmup_steps} steps, cosine to {c.train.min_lr_ratio:g}x), "
         f"weight decay {c.train.weight_decay:g}, {c.train.precision}",

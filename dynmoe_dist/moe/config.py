@@ -68,7 +68,9 @@ def default_aux_losses(router: str, preset: str) -> Tuple[str, ...]:
     """The losses a layer gets when none are named: a top-any layer its preset's (so a bare MoEConfig
     agrees with a run config), the baselines their router's."""
     if router == "top_any" and preset in PRESETS:
-        return tuple(PRESETS[preset]["moe.aux_losses"])
+        losses = PRESETS[preset]["moe.aux_losses"]
+        assert isinstance(losses, tuple), "every preset names its losses as a tuple"
+        return losses
     return DEFAULT_AUX.get(router, ())
 
 

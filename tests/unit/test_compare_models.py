@@ -210,3 +210,13 @@ def test_plot_styles_keep_ten_dynmoe_models_apart():
         "-.",
         "--",
     )
+
+
+def test_model_line_describes_the_models_of_both_tasks(tmp_path):
+    vit = compare.build_config("vit-mnist", MODELS["top1"], 0, 1, tmp_path)
+    assert compare.model_line(vit).startswith(
+        "- model: dim 64, 4 blocks, 4 heads, FFN/expert dim 128, MoE in blocks [1, 3]"
+    )
+    minilm = compare.build_config("minilm-sentiment", MODELS["top1"], 0, 1, tmp_path)
+    line = compare.model_line(minilm)
+    assert "all-MiniLM-L6-v2 (dim 384, FFN/expert dim 1536), first 6 layers" in line and "layers.3" in line
