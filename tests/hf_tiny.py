@@ -66,8 +66,8 @@ STEPS = 12
 ADAPTIVE = ["moe.num_experts=5", "moe.min_experts=3", "moe.threshold_init=0.3", "adaptive.period_steps=3"]
 
 
-def hf_settings(model_dir, text_file, steps=STEPS):
-    """The tiny adaptive run as --set overrides (distributed, torchrun and Ray tests)."""
+def hf_model_settings(model_dir, text_file):
+    """The tiny LLaMA upcycled in blocks 1 and 2, as a causal LM on text_file: the task and model overrides."""
     return [
         "task.name='causal-lm'",
         f"task.path='{text_file}'",
@@ -77,6 +77,13 @@ def hf_settings(model_dir, text_file, steps=STEPS):
         f"model.path='{model_dir}'",
         f"model.num_layers={NUM_LAYERS}",
         "model.moe_layers=[1, 2]",
+    ]
+
+
+def hf_settings(model_dir, text_file, steps=STEPS):
+    """The tiny adaptive run as --set overrides (distributed, torchrun and Ray tests)."""
+    return [
+        *hf_model_settings(model_dir, text_file),
         "model.freeze=['model.embed_tokens', 'model.layers.0']",
         *ADAPTIVE,
         "train.precision='float64'",

@@ -10,7 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hf_tiny import NUM_LAYERS, WORDS, corpus_lines, save_llama, save_tokenizer  # noqa: E402  (tests/hf_tiny.py)
+from hf_tiny import WORDS, corpus_lines, hf_model_settings, save_llama, save_tokenizer  # noqa: E402  (tests/hf_tiny.py)
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.tasks import build_task  # noqa: E402
@@ -35,14 +35,7 @@ def config_for(model_dir, text_file, *extra):
     return load_config(
         None,
         [
-            "task.name='causal-lm'",
-            f"task.path='{text_file}'",
-            f"task.tokenizer='{model_dir}'",
-            "task.max_len=8",
-            "model.source='hf'",
-            f"model.path='{model_dir}'",
-            f"model.num_layers={NUM_LAYERS}",
-            "model.moe_layers=[1, 2]",
+            *hf_model_settings(model_dir, text_file),
             "moe.num_experts=3",
             "train.global_batch_size=6",
             "train.max_steps=3",
