@@ -3,6 +3,7 @@
     compare    top-k vs DynMoE under the same budget: results.md, results.json, comparison.png
     losses     per-loss router gradients, k over time and expert growth of each DynMoE loss set
     baseline   frozen-MiniLM + logistic regression on minilm-sentiment (one JSON line)
+    drift      how far an upcycled run's experts moved from the pre-trained MLP and from one another
 
 `python -m dynmoe_dist.experiments SUBCOMMAND --help` lists a subcommand's options.
 """
@@ -33,7 +34,13 @@ def _baseline(argv):
     main(argv, prog=f"{PROG} baseline")
 
 
-SUBCOMMANDS = {"compare": _compare, "losses": _losses, "baseline": _baseline}
+def _drift(argv):
+    from .drift import main
+
+    main(argv, prog=f"{PROG} drift")
+
+
+SUBCOMMANDS = {"compare": _compare, "losses": _losses, "baseline": _baseline, "drift": _drift}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
