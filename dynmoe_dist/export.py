@@ -17,46 +17,25 @@ from typing import Dict, List
 import torch
 import torch.nn as nn
 
-from .config import DERIVED_MOE_KEYS, from_dict
 from .models.hf.loading import load_model, load_tokenizer
 from .models.hf.pretrained import dynmoe_section, install_moe_blocks, save_exported
 from .moe.experts import expert_param_specs
 from .moe.layer import find_moe_layers
 from .parallel.migrate import expert_with
-from .train.checkpoint import load_file
+from .train.checkpoint import read_checkpoint_meta, read_checkpoint_weights
 
 WRAPPER_PREFIX = "hf."  # models/hf/wrappers.py: the trainer's model holds the HF model as .hf
 
 
-def read_meta(checkpoint: Path):
-    """(meta, the run's config) of a checkpoint directory, without its weights."""
-    if not (checkpoint / "meta.pt").is_file():
-        raise ValueError(f"CHECKPOINT ({str(checkpoint)!r}) is not a checkpoint directory (no meta.pt)")
-    meta = load_file(checkpoint / "meta.pt")
-    saved = json.loads(meta["config"])
-    # The saved moe section holds the derived dim / ffn_dim, which a run file may not set.
-    saved["moe"] = {k: v for k, v in saved.get("moe", {}).items() if k not in DERIVED_MOE_KEYS}
-    return meta, from_dict(saved)
-
-
-def read_any_checkpoint(checkpoint: Path):
-    """(meta, the run's config, dense parameters by name, experts by 'layer/logical id') of any run."""
-    meta, run = read_meta(checkpoint)
-    experts: Dict[str, Dict] = {}
-    for path in sorted(checkpoint.glob("experts_ep*.pt")):
-        experts.update(load_file(path))
-    return meta, run, load_file(checkpoint / "dense.pt")["params"], experts
-
-
 def read_checkpoint(checkpoint: Path):
-    """read_any_checkpoint for a run that can export: model.source = 'hf'."""
-    meta, run, dense, experts = read_any_checkpoint(checkpoint)
+    """(meta, run config, dense parameters, experts) of a run that can export: model.source = 'hf'."""
+    meta, run = read_checkpoint_meta(checkpoint)
     if run.model.source != "hf":
         raise ValueError(
             f"CHECKPOINT ({str(checkpoint)!r}) was trained with model.source ({run.model.source!r}); "
             "only 'hf' runs export to a transformers directory"
         )
-    return meta, run, dense, experts
+    return (meta, run, *read_checkpoint_weights(checkpoint))
 
 
 def fill_dense(model: nn.Module, params: Dict[str, torch.Tensor], where: Path) -> None:

@@ -27,10 +27,9 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..config import RunConfig
-from ..export import read_any_checkpoint, read_meta
 from ..models.hf.adapters import find_mlps
 from ..tasks import build_task
-from ..train.checkpoint import complete_checkpoints
+from ..train.checkpoint import complete_checkpoints, read_checkpoint_meta, read_checkpoint_weights
 
 Flat = torch.Tensor  # one MLP's parameters, flattened in name order
 
@@ -94,7 +93,8 @@ def run_drift(run_dir: Path, blocks: Optional[Sequence[int]] = None, reference=N
     run's MoE blocks (a dense run must be given them); ``reference`` (mlp_params of the pre-trained model)
     saves rebuilding it for runs of the same model."""
     checkpoint = last_checkpoint(Path(run_dir))
-    meta, run, dense, experts = read_any_checkpoint(checkpoint)
+    meta, run = read_checkpoint_meta(checkpoint)
+    dense, experts = read_checkpoint_weights(checkpoint)
     moe_blocks = sorted(run.model.moe_layers)
     blocks = list(blocks) if blocks is not None else moe_blocks
     if not blocks:
@@ -125,7 +125,7 @@ def compare_table(out: Path) -> List[str]:
     run_dirs = sorted(p for p in (out / "runs").glob("*/seed*") if complete_checkpoints(str(p)))
     if not run_dirs:
         raise ValueError(f"--compare ({str(out)!r}) holds no finished run with a checkpoint (runs/<model>/seed<s>)")
-    configs = [read_meta(last_checkpoint(p))[1] for p in run_dirs]
+    configs = [read_checkpoint_meta(last_checkpoint(p))[1] for p in run_dirs]
     blocks = next((sorted(run.model.moe_layers) for run in configs if run.model.moe_layers), None)
     if blocks is None:
         raise ValueError(f"--compare ({str(out)!r}) holds only dense runs: no MoE blocks to compare")

@@ -25,6 +25,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..config import DERIVED_MOE_KEYS, from_dict
 from ..parallel.fsdp import full, shard_experts
 from ..parallel.groups import barrier, sum_over_ranks
 from ..parallel.reshard import (
@@ -65,6 +66,26 @@ def load_file(path: Path):
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated, corrupt or not a checkpoint
         raise CheckpointError(f"checkpoint file {path} is corrupt or unreadable: {err}") from err
+
+
+def read_checkpoint_meta(checkpoint: Path):
+    """(meta, the run's config) of a checkpoint directory, for readers outside the run (export, analyses)."""
+    if not (checkpoint / "meta.pt").is_file():
+        raise ValueError(f"CHECKPOINT ({str(checkpoint)!r}) is not a checkpoint directory (no meta.pt)")
+    meta = load_file(checkpoint / "meta.pt")
+    saved = json.loads(meta["config"])
+    # The saved moe section holds the derived dim / ffn_dim, which a run file may not set.
+    saved["moe"] = {k: v for k, v in saved.get("moe", {}).items() if k not in DERIVED_MOE_KEYS}
+    return meta, from_dict(saved)
+
+
+def read_checkpoint_weights(checkpoint: Path):
+    """(dense parameters by name, experts by 'layer/logical id' with their params and optimizer state),
+    whatever the world size: every expert file is read, and a replicated expert was saved once."""
+    experts: Dict[str, Dict] = {}
+    for path in sorted(checkpoint.glob("experts_ep*.pt")):
+        experts.update(load_file(path))
+    return load_file(checkpoint / "dense.pt")["params"], experts
 
 
 def atomic_save(obj, path: Path) -> None:
