@@ -22,7 +22,7 @@ from .models.hf.pretrained import dynmoe_section, install_moe_blocks, save_expor
 from .moe.experts import expert_param_specs
 from .moe.layer import find_moe_layers
 from .parallel.migrate import expert_with
-from .train.checkpoint import read_checkpoint_meta, read_checkpoint_weights
+from .train.checkpoint import read_checkpoint_dense, read_checkpoint_experts, read_checkpoint_meta
 
 WRAPPER_PREFIX = "hf."  # models/hf/wrappers.py: the trainer's model holds the HF model as .hf
 
@@ -35,7 +35,7 @@ def read_checkpoint(checkpoint: Path):
             f"CHECKPOINT ({str(checkpoint)!r}) was trained with model.source ({run.model.source!r}); "
             "only 'hf' runs export to a transformers directory"
         )
-    return (meta, run, *read_checkpoint_weights(checkpoint))
+    return meta, run, read_checkpoint_dense(checkpoint), read_checkpoint_experts(checkpoint)
 
 
 def fill_dense(model: nn.Module, params: Dict[str, torch.Tensor], where: Path) -> None:

@@ -29,7 +29,12 @@ import torch
 from ..config import RunConfig
 from ..models.hf.adapters import find_mlps
 from ..tasks import build_task
-from ..train.checkpoint import complete_checkpoints, read_checkpoint_meta, read_checkpoint_weights
+from ..train.checkpoint import (
+    complete_checkpoints,
+    read_checkpoint_dense,
+    read_checkpoint_experts,
+    read_checkpoint_meta,
+)
 
 Flat = torch.Tensor  # one MLP's parameters, flattened in name order
 
@@ -94,7 +99,6 @@ def run_drift(run_dir: Path, blocks: Optional[Sequence[int]] = None, reference=N
     saves rebuilding it for runs of the same model."""
     checkpoint = last_checkpoint(Path(run_dir))
     meta, run = read_checkpoint_meta(checkpoint)
-    dense, experts = read_checkpoint_weights(checkpoint)
     moe_blocks = sorted(run.model.moe_layers)
     blocks = list(blocks) if blocks is not None else moe_blocks
     if not blocks:
@@ -105,12 +109,14 @@ def run_drift(run_dir: Path, blocks: Optional[Sequence[int]] = None, reference=N
     reference = reference if reference is not None else mlp_params(dense_model(run), blocks, where)
     if moe_blocks:
         counts = [int(n) for n in meta["num_experts"]]
+        experts = read_checkpoint_experts(checkpoint)
         trained = {
             block: [experts[f"{index}/{e}"]["params"] for e in range(counts[index])]
             for index, block in enumerate(moe_blocks)
         }
     else:
-        trained = {block: [p] for block, p in mlp_params(dense_model(run, dense), blocks, where).items()}
+        dense = dense_model(run, read_checkpoint_dense(checkpoint))
+        trained = {block: [p] for block, p in mlp_params(dense, blocks, where).items()}
     layers = {block: layer_drift(reference[block], trained[block]) for block in blocks}
     return {"run": where, "step": int(meta["step"]), "layers": layers}
 
@@ -125,11 +131,13 @@ def compare_table(out: Path) -> List[str]:
     run_dirs = sorted(p for p in (out / "runs").glob("*/seed*") if complete_checkpoints(str(p)))
     if not run_dirs:
         raise ValueError(f"--compare ({str(out)!r}) holds no finished run with a checkpoint (runs/<model>/seed<s>)")
-    configs = [read_checkpoint_meta(last_checkpoint(p))[1] for p in run_dirs]
-    blocks = next((sorted(run.model.moe_layers) for run in configs if run.model.moe_layers), None)
-    if blocks is None:
+    # The MoE blocks of the first MoE run (every run of a comparison upcycles the same model).
+    configs = (read_checkpoint_meta(last_checkpoint(p))[1] for p in run_dirs)
+    first_moe = next((run for run in configs if run.model.moe_layers), None)
+    if first_moe is None:
         raise ValueError(f"--compare ({str(out)!r}) holds only dense runs: no MoE blocks to compare")
-    reference = mlp_params(dense_model(configs[0]), blocks, str(run_dirs[0]))
+    blocks = sorted(first_moe.model.moe_layers)
+    reference = mlp_params(dense_model(first_moe), blocks, str(out))
     by_model: Dict[str, List[Dict]] = {}
     for run_dir in run_dirs:
         by_model.setdefault(run_dir.parent.name, []).append(run_drift(run_dir, blocks, reference))
@@ -181,7 +189,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m dynmoe_dis
         if args.compare:
             print("\n".join(compare_table(Path(args.compare))))
         for run_dir in args.runs:
-            print(json.dumps(run_drift(Path(run_dir), blocks)), flush=True)
+            print(json.dumps(run_drift(Path(run_dir), blocks)))
     except ValueError as err:
         parser.exit(2, f"error: {err}\n")
 

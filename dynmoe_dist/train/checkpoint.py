@@ -79,13 +79,18 @@ def read_checkpoint_meta(checkpoint: Path):
     return meta, from_dict(saved)
 
 
-def read_checkpoint_weights(checkpoint: Path):
-    """(dense parameters by name, experts by 'layer/logical id' with their params and optimizer state),
-    whatever the world size: every expert file is read, and a replicated expert was saved once."""
+def read_checkpoint_dense(checkpoint: Path) -> Dict:
+    """Dense parameters by name (routers included)."""
+    return load_file(checkpoint / "dense.pt")["params"]
+
+
+def read_checkpoint_experts(checkpoint: Path) -> Dict[str, Dict]:
+    """Experts by 'layer/logical id' (params and optimizer state), whatever the world size: every expert
+    file is read, and a replicated expert was saved once."""
     experts: Dict[str, Dict] = {}
     for path in sorted(checkpoint.glob("experts_ep*.pt")):
         experts.update(load_file(path))
-    return load_file(checkpoint / "dense.pt")["params"], experts
+    return experts
 
 
 def atomic_save(obj, path: Path) -> None:

@@ -109,8 +109,6 @@ def test_moe_run_against_norms_of_the_saved_files(runs):
 
 def test_dense_run_compares_its_own_mlp(runs):
     root, model_dir, _, dense = runs
-    from safetensors.torch import load_file
-
     result = run_drift(dense, blocks=[1])
     params = torch.load(next((dense / "checkpoints").glob("step_*")) / "dense.pt", weights_only=True)["params"]
     trained = [params[f"hf.model.layers.1.mlp.{p}_proj.weight"].double() for p in ("gate", "up", "down")]
@@ -118,7 +116,6 @@ def test_dense_run_compares_its_own_mlp(runs):
     expected = _norm([a - b for a, b in zip(trained, w0)]) / _norm(w0)
     assert result["layers"][1]["experts"] == 1 and result["layers"][1]["spread"] == 0.0
     assert result["layers"][1]["drift"] == pytest.approx(expected, rel=1e-9) and expected > 1e-4
-    assert load_file(os.path.join(model_dir, "model.safetensors"))  # the reference really is the saved model
 
 
 def test_compare_table_has_a_row_per_model(runs, capsys):
