@@ -62,8 +62,12 @@ def test_export_round_trip_equals_the_trained_model(trained, tmp_path):
     counts = [layer.num_experts for layer in trainer.moe_layers]
     assert counts != [2, 2], "the run was meant to add experts"
     out = export(checkpoint, tmp_path / "exported")
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
-    section = json.loads((out / "config.json").read_text())["dynmoe"]
+    assert {"config.json", "model.safetensors", "tokenizer.json", "modeling_dynmoe.py"} <= {
+        p.name for p in out.iterdir()
+    }
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "dynmoe_llama" and config["architectures"] == ["DynMoELlamaForCausalLM"]
+    section = config["dynmoe"]
     assert section["moe_blocks"] == [0, 2] and section["num_experts"] == counts
     assert section["moe"]["eval_k0"] == "top1" and len(section["thresholds"][0]) == counts[0]
     from safetensors import safe_open
