@@ -5,6 +5,12 @@ Every expert gets its own weights and every router distinct thresholds, so token
 experts: the combine, the eval k = 0 rule ('top1' and 'skip') and the expert choice all show in the logits.
 """
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 from hf_tiny import save_tokenizer
 
@@ -13,6 +19,7 @@ from dynmoe_dist.models.hf.pretrained import dynmoe_section, save_exported
 from dynmoe_dist.moe.config import MoEConfig
 from dynmoe_dist.moe.layer import find_moe_layers
 
+TESTS = Path(__file__).resolve().parent
 ARCHS = ("llama", "qwen2", "mistral", "gpt2")
 BLOCKS = [0, 2]
 NUM_EXPERTS = 3
@@ -71,3 +78,21 @@ def export_case(directory, arch: str, dtype: torch.dtype, eval_k0: str, seed: in
 
 def sample_ids(vocab_size: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab_size, (3, 9), generator=torch.Generator().manual_seed(seed))
+
+
+def run_remote_check(root, manifest):
+    """tests/remote_check.py on the manifest, in a process that cannot import dynmoe_dist: its results."""
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_MODULES_CACHE=str(root / "modules"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, str(TESTS / "remote_check.py"), str(root / "manifest.json"), str(root / "result.pt")],
+        cwd=root,  # not the repository root, where dynmoe_dist would be importable as a plain directory
+        env=env,
+        stdin=subprocess.DEVNULL,  # transformers' trust prompt then fails at once instead of waiting 15 s
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(root / "result.pt", weights_only=False)

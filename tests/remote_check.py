@@ -3,8 +3,9 @@ loads the exported directories listed in MANIFEST (a JSON file) and writes what 
 
     python tests/remote_check.py MANIFEST OUT
 
-MANIFEST: {"cases": [{"dir", "ids"}], "refuse": dir, "generate": [dir], "pipeline": [[dir, prompt]]}.
-The parent compares everything against dynmoe_dist's own models; this script only computes.
+MANIFEST: {"cases": [{"dir", "ids"}], and optionally "refuse": dir, "generate": [dir], "prompt_ids",
+"pipeline": [[dir, prompt]], "resave": [dir, new dir, ids]}. The parent compares everything against
+dynmoe_dist's own models; this script only computes.
 """
 
 import importlib.abc
@@ -102,18 +103,26 @@ def pipelined(directory, prompt):
     return {"text": text, "ids": list(ids[0]["generated_token_ids"])}
 
 
+def resaved(directory, new_directory, ids):
+    """A fine-tuner's round trip: the loaded model's save_pretrained (transformers copies the remote code
+    along), then the logits of that directory loaded again."""
+    model, _ = load(directory)
+    model.save_pretrained(new_directory)
+    return logits_of({"dir": new_directory, "ids": ids})
+
+
 def main(manifest_file, out_file):
     import torch
 
     manifest = json.loads(open(manifest_file).read())
-    result = {
-        "blocked": blocked(),
-        "cases": [logits_of(case) for case in manifest["cases"]],
-        "refusals": refusals(manifest["refuse"]),
-        "generate": [generations(d, manifest["prompt_ids"]) for d in manifest["generate"]],
-        "pipeline": [pipelined(d, prompt) for d, prompt in manifest["pipeline"]],
-        "dynmoe_loaded": any(m.startswith("dynmoe_dist") for m in sys.modules),
-    }
+    result = {"blocked": blocked(), "cases": [logits_of(case) for case in manifest["cases"]]}
+    if "refuse" in manifest:
+        result["refusals"] = refusals(manifest["refuse"])
+    result["generate"] = [generations(d, manifest["prompt_ids"]) for d in manifest.get("generate", [])]
+    result["pipeline"] = [pipelined(d, prompt) for d, prompt in manifest.get("pipeline", [])]
+    if "resave" in manifest:
+        result["resave"] = resaved(*manifest["resave"])
+    result["dynmoe_loaded"] = any(m.startswith("dynmoe_dist") for m in sys.modules)
     torch.save(result, out_file)
 
 

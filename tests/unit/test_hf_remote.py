@@ -10,22 +10,19 @@ transformers load; this module compares its results with the training code's mod
 import ast
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hf_remote_cases import ARCHS, export_case, sample_ids  # noqa: E402
+from hf_remote_cases import ARCHS, export_case, run_remote_check, sample_ids  # noqa: E402
 
 from dynmoe_dist.hf import from_pretrained  # noqa: E402
 from dynmoe_dist.models.hf import remote  # noqa: E402
 from dynmoe_dist.moe.layer import find_moe_layers  # noqa: E402
 from dynmoe_dist.moe.routing import top_any  # noqa: E402
 
-TESTS = Path(__file__).resolve().parents[1]
 DTYPES = {"float32": (torch.float32, 1e-6), "float64": (torch.float64, 1e-9)}
 MODES = ("top1", "skip")
 PROMPT = "the cat sat on"
@@ -54,20 +51,8 @@ def exported(tmp_path_factory):
         "prompt_ids": prompt_ids(f32[0]),
         "pipeline": [[d, PROMPT] for d in f32],
     }
-    (root / "manifest.json").write_text(json.dumps(manifest))
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_MODULES_CACHE=str(root / "modules"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [sys.executable, str(TESTS / "remote_check.py"), str(root / "manifest.json"), str(root / "result.pt")],
-        cwd=root,  # not the repository root, where dynmoe_dist would be importable as a plain directory
-        env=env,
-        stdin=subprocess.DEVNULL,  # transformers' trust prompt then fails at once instead of waiting 15 s
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return cases, torch.load(root / "result.pt", weights_only=False), ids
+    manifest["resave"] = [str(cases[case_name("qwen2", "float64", "skip")][0]), str(root / "resaved"), ids]
+    return cases, run_remote_check(root, manifest), ids
 
 
 def prompt_ids(directory):
@@ -168,6 +153,13 @@ def test_dynmoe_from_pretrained_reads_format_2(exported, arch):
         loaded = from_pretrained(directory)
         assert [m.config.eval_k0 for _, m in find_moe_layers(loaded)] == ["skip", "skip"]
         torch.testing.assert_close(reference_logits(loaded, ids), reference_logits(model, ids), rtol=0, atol=atol)
+
+
+def test_save_pretrained_of_the_loaded_model_loads_again(exported):
+    cases, result, ids = exported
+    want = reference_logits(cases[case_name("qwen2", "float64", "skip")][1], ids)
+    assert result["resave"]["keys"]["missing_keys"] == [] and result["resave"]["keys"]["unexpected_keys"] == []
+    torch.testing.assert_close(result["resave"]["logits"], want, rtol=0, atol=1e-9)
 
 
 def as_format_1(directory, out):
