@@ -109,7 +109,9 @@ def test_remote_layer_equals_the_training_layer(options, training):
 
 
 def test_a_bad_section_is_a_one_line_value_error():
-    good = {"format": 2, "moe_blocks": [0, 2], "num_experts": [2, 2], "experts": [{}, {}]}
+    good = {"format": 2, "moe_blocks": [0, 2], "num_experts": [2, 2], "experts": [{}, {}], "moe": {}}
+    with pytest.raises(ValueError, match=r"config.dynmoe lacks \['moe'\]: not written by python -m dynmoe_dist"):
+        remote.check_section({k: v for k, v in good.items() if k != "moe"}, 3)
     with pytest.raises(ValueError, match=r"section of format 2, got \{'format': 1"):
         remote.check_section({**good, "format": 1}, 3)
     with pytest.raises(ValueError, match=r"moe_blocks \(\[0, 2\]\), num_experts \(\[2\]\), experts differ"):

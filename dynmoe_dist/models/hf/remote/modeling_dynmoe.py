@@ -31,6 +31,7 @@ from transformers import GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, 
 from .configuration_dynmoe import DynMoEGPT2Config, DynMoELlamaConfig, DynMoEMistralConfig, DynMoEQwen2Config
 
 FORMAT_VERSION = 2
+SECTION_KEYS = ("moe_blocks", "num_experts", "experts", "moe")
 COSINE_EPS = 1e-12
 
 
@@ -196,6 +197,9 @@ def check_section(section: Any, num_blocks: int) -> Dict[str, Any]:
     """The config's dynmoe section, or a one-line ValueError saying what is wrong with it."""
     if not isinstance(section, dict) or section.get("format") != FORMAT_VERSION:
         raise ValueError(f"config.dynmoe must be a section of format {FORMAT_VERSION}, got {section!r:.80}")
+    missing = [k for k in SECTION_KEYS if k not in section]
+    if missing:
+        raise ValueError(f"config.dynmoe lacks {missing}: not written by python -m dynmoe_dist.export")
     blocks, counts, specs = section["moe_blocks"], section["num_experts"], section["experts"]
     if not len(blocks) == len(counts) == len(specs):
         raise ValueError(f"config.dynmoe: moe_blocks ({blocks}), num_experts ({counts}), experts differ in length")
@@ -219,6 +223,7 @@ def moe_layers(model: nn.Module) -> List[DynMoELayer]:
 
 class DynMoELlamaForCausalLM(LlamaForCausalLM):
     config_class = DynMoELlamaConfig
+    _can_compile_fullgraph = False  # the rows per expert are data dependent (nonzero)
 
     def __init__(self, config: DynMoELlamaConfig):
         super().__init__(config)
@@ -227,6 +232,7 @@ class DynMoELlamaForCausalLM(LlamaForCausalLM):
 
 class DynMoEQwen2ForCausalLM(Qwen2ForCausalLM):
     config_class = DynMoEQwen2Config
+    _can_compile_fullgraph = False  # the rows per expert are data dependent (nonzero)
 
     def __init__(self, config: DynMoEQwen2Config):
         super().__init__(config)
@@ -235,6 +241,7 @@ class DynMoEQwen2ForCausalLM(Qwen2ForCausalLM):
 
 class DynMoEMistralForCausalLM(MistralForCausalLM):
     config_class = DynMoEMistralConfig
+    _can_compile_fullgraph = False  # the rows per expert are data dependent (nonzero)
 
     def __init__(self, config: DynMoEMistralConfig):
         super().__init__(config)
@@ -243,6 +250,7 @@ class DynMoEMistralForCausalLM(MistralForCausalLM):
 
 class DynMoEGPT2LMHeadModel(GPT2LMHeadModel):
     config_class = DynMoEGPT2Config
+    _can_compile_fullgraph = False  # the rows per expert are data dependent (nonzero)
 
     def __init__(self, config: DynMoEGPT2Config):
         super().__init__(config)
