@@ -3,8 +3,9 @@
 The checkpoint (train/checkpoint.py: meta.pt, dense.pt, experts_ep{r}.pt) holds dense parameters by name
 and experts by (MoE layer, logical id), whatever the world size, ep size and replicas were. The export
 rebuilds the run's HF model (config from model.path, MoE blocks with the checkpoint's expert counts),
-fills in every weight and writes it with models/hf/pretrained.py; ``dynmoe_dist.hf.from_pretrained``
-reads it back. Only runs with model.source = 'hf' export (the built-in models are not transformers models).
+fills in every weight and writes it with models/hf/pretrained.py (format 2: plain transformers loads
+it with ``trust_remote_code=True``; docs/hf.md); ``dynmoe_dist.hf.from_pretrained`` reads it back.
+Only runs with model.source = 'hf' export (the built-in models are not transformers models).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from .models.hf.loading import load_model, load_tokenizer
-from .models.hf.pretrained import dynmoe_section, install_moe_blocks, save_exported
+from .models.hf.pretrained import base_model_type, dynmoe_section, install_moe_blocks, save_exported
 from .moe.experts import expert_param_specs
 from .moe.layer import find_moe_layers
 from .parallel.migrate import expert_with
@@ -28,14 +29,14 @@ WRAPPER_PREFIX = "hf."  # models/hf/wrappers.py: the trainer's model holds the H
 
 
 def read_checkpoint(checkpoint: Path):
-    """(meta, run config, dense parameters, experts) of a run that can export: model.source = 'hf'."""
+    """(meta, run config) of a run that can export: model.source = 'hf'."""
     meta, run = read_checkpoint_meta(checkpoint)
     if run.model.source != "hf":
         raise ValueError(
             f"CHECKPOINT ({str(checkpoint)!r}) was trained with model.source ({run.model.source!r}); "
             "only 'hf' runs export to a transformers directory"
         )
-    return meta, run, read_checkpoint_dense(checkpoint), read_checkpoint_experts(checkpoint)
+    return meta, run
 
 
 def fill_dense(model: nn.Module, params: Dict[str, torch.Tensor], where: Path) -> None:
@@ -66,10 +67,13 @@ def fill_experts(model: nn.Module, experts: Dict[str, Dict], counts: List[int], 
 
 def export(checkpoint, out) -> Path:
     checkpoint, out = Path(checkpoint), Path(out)
-    meta, run, dense, experts = read_checkpoint(checkpoint)
+    meta, run = read_checkpoint(checkpoint)
     counts = [int(n) for n in meta["num_experts"]]
+    model = load_model(run.model.path, "causal-lm")
+    base_model_type(model)  # a base without remote-code classes fails before any weight is read
+    dense, experts = read_checkpoint_dense(checkpoint), read_checkpoint_experts(checkpoint)
     # The checkpoint's dtype (float64 runs export float64; bf16 runs keep fp32 masters).
-    model = load_model(run.model.path, "causal-lm").to(next(iter(dense.values())).dtype)
+    model = model.to(next(iter(dense.values())).dtype)
     blocks = sorted(run.model.moe_layers)
     install_moe_blocks(model, run.moe, blocks, counts)
     fill_dense(model, dense, checkpoint)
@@ -82,7 +86,9 @@ def export(checkpoint, out) -> Path:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dynmoe_dist.export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a checkpoint directory, e.g. OUT/checkpoints/step_000030")
-    parser.add_argument("--out", required=True, help="directory to write (config.json, model.safetensors, tokenizer)")
+    parser.add_argument(
+        "--out", required=True, help="directory to write (config.json, remote code, model.safetensors, tokenizer)"
+    )
     args = parser.parse_args(argv)
     try:
         out = export(args.checkpoint, args.out)

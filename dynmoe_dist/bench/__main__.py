@@ -11,6 +11,7 @@ BENCHMARKS = {
     "gpu": "dynmoe_dist.bench.gpu",
     "scale": "dynmoe_dist.bench.scale",
     "hf": "dynmoe_dist.bench.hf",
+    "generate": "dynmoe_dist.bench.generate",
 }
 
 

@@ -62,8 +62,12 @@ def test_export_round_trip_equals_the_trained_model(trained, tmp_path):
     counts = [layer.num_experts for layer in trainer.moe_layers]
     assert counts != [2, 2], "the run was meant to add experts"
     out = export(checkpoint, tmp_path / "exported")
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
-    section = json.loads((out / "config.json").read_text())["dynmoe"]
+    assert {"config.json", "model.safetensors", "tokenizer.json", "modeling_dynmoe.py"} <= {
+        p.name for p in out.iterdir()
+    }
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "dynmoe_llama" and config["architectures"] == ["DynMoELlamaForCausalLM"]
+    section = config["dynmoe"]
     assert section["moe_blocks"] == [0, 2] and section["num_experts"] == counts
     assert section["moe"]["eval_k0"] == "top1" and len(section["thresholds"][0]) == counts[0]
     from safetensors import safe_open
@@ -78,6 +82,22 @@ def test_export_round_trip_equals_the_trained_model(trained, tmp_path):
     trainer.model.eval()
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, trainer.model(input_ids=ids).logits, rtol=0, atol=1e-6)
+
+
+def test_plain_transformers_loads_the_export_of_a_trained_run(trained, tmp_path):
+    """The CLI's export of a run that added experts, loaded where dynmoe_dist cannot be imported."""
+    from hf_remote_cases import run_remote_check
+
+    trainer, _, checkpoint, _ = trained
+    out = export(checkpoint, tmp_path / "exported")
+    ids = torch.randint(0, 16, (3, 7), generator=torch.Generator().manual_seed(0))
+    result = run_remote_check(tmp_path, {"cases": [{"dir": str(out), "ids": ids.tolist()}]})
+    got = result["cases"][0]
+    assert result["blocked"] and got["class"] == "DynMoELlamaForCausalLM"
+    assert got["keys"]["missing_keys"] == [] and got["keys"]["unexpected_keys"] == []
+    trainer.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(got["logits"], trainer.model(input_ids=ids).logits, rtol=0, atol=1e-6)
 
 
 def test_generate_is_greedy_next_token(trained, tmp_path):

@@ -1,0 +1,130 @@
+"""The remote-code modules (models/hf/remote/modeling_dynmoe.py) against dynmoe_dist's MoE math, directly:
+the routers (masks, weights and gradients, training and eval, both k = 0 rules), and a whole MoE layer
+for every router and both expert kinds, loaded from the training layer's state dict with strict keys."""
+
+import pytest
+import torch
+
+from dynmoe_dist.models.hf.pretrained import base_model_type
+from dynmoe_dist.models.hf.remote import modeling_dynmoe as remote
+from dynmoe_dist.moe import routing
+from dynmoe_dist.moe.config import MoEConfig
+from dynmoe_dist.moe.layer import MoELayer
+
+T, D, E = 24, 8, 4
+
+
+def inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x_TD = torch.randn(T, D, generator=g, dtype=torch.float64, requires_grad=True)
+    gate_ED = torch.randn(E, D, generator=g, dtype=torch.float64, requires_grad=True)
+    threshold_E = torch.tensor([0.0, 0.2, 0.4, 0.6], dtype=torch.float64, requires_grad=True)
+    return x_TD, gate_ED, threshold_E
+
+
+def grads(weights_TE, leaves):
+    probe_TE = torch.randn(weights_TE.shape, generator=torch.Generator().manual_seed(9), dtype=weights_TE.dtype)
+    return torch.autograd.grad((weights_TE * probe_TE).sum(), leaves, allow_unused=True)
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("k0", ["top1", "skip"])
+def test_top_any_equals_the_training_router(training, k0):
+    x_TD, gate_ED, threshold_E = inputs()
+    # the training router reads train_k0 ('zero' / 'top1') in training and eval_k0 ('top1' / 'skip') in eval
+    train_k0 = "zero" if k0 == "skip" else "top1"
+    want = routing.top_any(x_TD, gate_ED, threshold_E, training=training, train_k0=train_k0, eval_k0=k0)
+    mask_TE, weights_TE = remote.top_any(x_TD, gate_ED, threshold_E, "top1" if k0 == "top1" else "skip")
+    assert (want.num_selected == 0).any() or k0 == "top1", "some token must select no expert"
+    assert torch.equal(mask_TE, want.mask) and torch.equal(weights_TE, want.weights)
+    for got, expected in zip(
+        grads(weights_TE, (x_TD, gate_ED, threshold_E)), grads(want.weights, (x_TD, gate_ED, threshold_E))
+    ):
+        assert (got is None) == (expected is None)
+        if got is not None:
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def test_top_any_inputs_select_zero_one_and_several_experts():
+    x_TD, gate_ED, threshold_E = inputs()
+    k_T = routing.top_any(x_TD, gate_ED, threshold_E, training=True).num_selected
+    assert {0, 1} <= set(k_T.tolist()) and k_T.max() >= 2
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_top_k_equals_the_training_router(k):
+    logits_TE = torch.randn(T, E, generator=torch.Generator().manual_seed(1))
+    want = routing.top_k(logits_TE, k)
+    mask_TE, weights_TE = remote.top_k(logits_TE, k)
+    assert torch.equal(mask_TE, want.mask) and torch.equal(weights_TE, want.weights)
+
+
+@pytest.mark.parametrize("p", [0.2, 0.5, 1.0])
+def test_top_p_equals_the_training_router(p):
+    logits_TE = torch.randn(T, E, generator=torch.Generator().manual_seed(2))
+    want = routing.top_p(logits_TE, p)
+    mask_TE, weights_TE = remote.top_p(logits_TE, p)
+    assert torch.equal(mask_TE, want.mask) and torch.equal(weights_TE, want.weights)
+
+
+LAYERS = [
+    dict(router="top_any", expert_kind="gated", activation="silu", expert_bias=False, threshold_init=0.3),
+    dict(router="top_any", expert_kind="ffn", activation="gelu_tanh", expert_bias=True, eval_k0="skip"),
+    dict(router="top_k", expert_kind="ffn", activation="gelu", expert_bias=True, top_k=2),
+    dict(router="top_p", expert_kind="gated", activation="relu", expert_bias=True, top_p=0.5),
+]
+
+
+def layer_pair(options):
+    torch.manual_seed(0)
+    config = MoEConfig(dim=D, ffn_dim=12, num_experts=E, expert_compute="loop", **options)
+    layer = MoELayer(config).double()
+    with torch.no_grad():
+        for p in layer.experts.parameters():
+            p.normal_(0, 0.3)
+    section_moe = {"router": config.router, "train_k0": config.train_k0, "eval_k0": config.eval_k0}
+    section_moe.update(top_k=config.top_k, top_p=config.top_p)
+    spec = {k: getattr(config, k) for k in ("expert_kind", "activation", "expert_bias", "ffn_dim")}
+    twin = remote.DynMoELayer(E, D, spec, section_moe).double()
+    twin.load_state_dict(layer.state_dict(), strict=True)  # the same keys, none missing or extra
+    return layer, twin
+
+
+@pytest.mark.parametrize("options", LAYERS, ids=lambda o: f"{o['router']}-{o['expert_kind']}")
+@pytest.mark.parametrize("training", [False, True])
+def test_remote_layer_equals_the_training_layer(options, training):
+    layer, twin = layer_pair(options)
+    layer.train(training), twin.train(training)
+    x_BLD = torch.randn(2, T // 2, D, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    want, got = layer(x_BLD).output, twin(x_BLD)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert want.abs().max() > 0
+    if training:  # a fine-tune of the export trains the same parameters the same way (the LM-loss part)
+        want.square().sum().backward()
+        got.square().sum().backward()
+        for (name, p), (_, q) in zip(layer.named_parameters(), twin.named_parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None:
+                torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-10, msg=name)
+
+
+def test_a_bad_section_is_a_one_line_value_error():
+    good = {"format": 2, "moe_blocks": [0, 2], "num_experts": [2, 2], "experts": [{}, {}], "moe": {}}
+    with pytest.raises(ValueError, match=r"config.dynmoe lacks \['moe'\]: not written by python -m dynmoe_dist"):
+        remote.check_section({k: v for k, v in good.items() if k != "moe"}, 3)
+    with pytest.raises(ValueError, match=r"section of format 2, got \{'format': 1"):
+        remote.check_section({**good, "format": 1}, 3)
+    with pytest.raises(ValueError, match=r"moe_blocks \(\[0, 2\]\), num_experts \(\[2\]\), experts differ"):
+        remote.check_section({**good, "num_experts": [2]}, 3)
+    with pytest.raises(ValueError, match=r"moe_blocks entry \(2\) out of range 0..1"):
+        remote.check_section(good, 2)
+
+
+def test_export_refuses_a_base_without_remote_classes():
+    import transformers as tf
+
+    config = tf.BertConfig(
+        vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16
+    )
+    with pytest.raises(ValueError, match=r"base model type \('bert'\) has no remote-code class .*llama, qwen2"):
+        base_model_type(tf.BertForMaskedLM(config))
