@@ -178,9 +178,3 @@ def local(t: Tensor) -> Tensor:
 
 def is_sharded(p: Tensor) -> bool:
     return isinstance(p, DTensor)
-
-
-@torch.no_grad()
-def copy_into(param: nn.Parameter, value: Tensor) -> None:
-    """Load a full logical tensor into a parameter that may be sharded."""
-    param.copy_(shard_like(value.to(dtype=param.dtype), param))
