@@ -165,7 +165,8 @@ def _load_targets(params: NamedParams, metadata: Metadata, directory: Path) -> T
             raise CheckpointError(f"{directory}: {name} was saved {saved}, the model's is {tuple(p.shape)}")
         targets[PARAM + name] = p.detach()
         prefix = f"{ADAM}{name}/"
-        for key in [k for k in entries if k.startswith(prefix)]:
+        # A parameter frozen in this run keeps no Adam state (the optimizer does not hold it).
+        for key in [k for k in entries if k.startswith(prefix)] if p.requires_grad else []:
             entry = entries[key]
             assert isinstance(entry, TensorStorageMetadata)
             sub = key[len(prefix) :]

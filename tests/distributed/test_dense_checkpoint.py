@@ -199,3 +199,17 @@ def test_resumes_across_world_sizes_and_sharding_continue_the_reference(legs):
     _assert_continues(root / "three_to_two", reference, 2 * EVERY + 1)  # 3 -> 2, fsdp -> fsdp
     _assert_continues(root / "one_to_two", reference, 2 * EVERY + 1)  # 1 -> 2, replicate -> fsdp
     _assert_continues(root / "back", reference, 2 * EVERY + 1)  # 3 -> 1, fsdp -> replicate
+
+
+def test_one_process_reads_a_sharded_checkpoint_whole(legs):
+    """What export and the drift analysis do: no process group, full tensors from the 3 ranks' shards,
+    equal to the replicated reference's at the same step."""
+    from dynmoe_dist.train.checkpoint import read_checkpoint_dense
+
+    root = legs["root"]
+    sharded = read_checkpoint_dense(root / "three" / "checkpoints" / "step_000012")
+    replicated = read_checkpoint_dense(root / "reference" / "checkpoints" / "step_000012")
+    assert sorted(sharded) == sorted(replicated) and not any(k.startswith(("param/", "adam/")) for k in sharded)
+    for name, value in replicated.items():
+        assert sharded[name].shape == value.shape and sharded[name].dtype == torch.float64, name
+        torch.testing.assert_close(sharded[name], value, rtol=1e-9, atol=1e-12, msg=name)
