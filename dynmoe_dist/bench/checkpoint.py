@@ -232,6 +232,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ranks", default="1,2,4", help="world sizes to measure, comma-separated (default 1,2,4)")
     p.add_argument("--tiny", action="store_true", help="a small model (3 blocks, hidden 64): a smoke run")
+    p.add_argument("--num-layers", type=int, help="blocks (default: SmolLM2's 30; the last two are MoE)")
     p.add_argument("--out", help="also write the JSON to this file")
     p.add_argument("--timeout-s", type=float, default=900)
     return p
@@ -240,7 +241,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
     ranks = parse_ranks(args.ranks)
-    shape = TINY if args.tiny else SMOLLM2
+    shape = dict(TINY if args.tiny else SMOLLM2)
+    if args.num_layers is not None:
+        if args.num_layers < 2:
+            raise SystemExit(f"--num-layers ({args.num_layers}) must be >= 2: the last two blocks are MoE")
+        shape["layers"] = args.num_layers
     # The spawned ranks inherit the environment: glibc reads the mmap threshold at start-up.
     saved = {k: os.environ.get(k) for k in MEMORY_PROCESS_ENV}
     os.environ.update(MEMORY_PROCESS_ENV)
