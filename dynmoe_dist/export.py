@@ -1,7 +1,9 @@
 """``python -m dynmoe_dist.export CHECKPOINT --out DIR``: a training checkpoint -> a transformers directory.
 
-The checkpoint (train/checkpoint.py: meta.pt, dense.pt, experts_ep{r}.pt) holds dense parameters by name
-and experts by (MoE layer, logical id), whatever the world size, ep size and replicas were. The export
+The checkpoint (train/checkpoint.py: meta.pt, dense/, experts_ep{r}.pt) holds dense parameters by name
+and experts by (MoE layer, logical id), whatever the world size, ep size, replicas and FSDP sharding were.
+The dense state is a torch.distributed.checkpoint directory of shards; the export reads it into full
+tensors on this one process, with no process group (train/dense_state.py: read_dense_params). The export
 rebuilds the run's HF model (config from model.path, MoE blocks with the checkpoint's expert counts),
 fills in every weight and writes it with models/hf/pretrained.py (format 2: plain transformers loads
 it with ``trust_remote_code=True``; docs/hf.md); ``dynmoe_dist.hf.from_pretrained`` reads it back.

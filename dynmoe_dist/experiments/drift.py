@@ -76,7 +76,7 @@ def mlp_params(model: torch.nn.Module, blocks: Sequence[int], where: str) -> Dic
 
 
 def dense_model(run: RunConfig, params: Optional[Dict[str, torch.Tensor]] = None) -> torch.nn.Module:
-    """The run's model with no MoE layer: pre-trained weights, or ``params`` (a dense run's dense.pt)."""
+    """The run's model with no MoE layer: pre-trained weights, or ``params`` (a dense run's dense state)."""
     no_moe = dataclasses.replace(run, model=dataclasses.replace(run.model, moe_layers=[]))
     model = build_task(no_moe.task).build_model(no_moe)
     if params is not None:

@@ -10,9 +10,11 @@
   also on zero rows (``ExpertBank.run_every_expert``), so the all-gathers and reduce-scatters always line
   up; an expert with no rows on one rank would otherwise hang its group.
 - Gradients are *summed* (divide factor 1), as everywhere else: losses are normalised by the global batch.
-- Adaptive events and checkpoints work on full logical tensors: ``unshard_experts`` turns the sharded
-  experts back into plain modules (weights and Adam state gathered), the plan or the resume works on those
-  exactly as without FSDP, and ``shard_experts`` shards the new set again, optimizer state included.
+- Adaptive events and expert checkpoints work on full logical experts: ``unshard_experts`` turns the
+  sharded experts back into plain modules (weights and Adam state gathered), the plan or the resume works
+  on those exactly as without FSDP, and ``shard_experts`` shards the new set again, optimizer state
+  included. The dense state is never gathered: checkpoints write and read its DTensor shards as they are
+  (train/dense_state.py, torch.distributed.checkpoint reshards on load).
 
 Shape legend: W world size, P expert-dp group size.
 """
@@ -178,9 +180,3 @@ def local(t: Tensor) -> Tensor:
 
 def is_sharded(p: Tensor) -> bool:
     return isinstance(p, DTensor)
-
-
-@torch.no_grad()
-def copy_into(param: nn.Parameter, value: Tensor) -> None:
-    """Load a full logical tensor into a parameter that may be sharded."""
-    param.copy_(shard_like(value.to(dtype=param.dtype), param))

@@ -4,19 +4,21 @@ A checkpoint stores every logical expert once, written by its owner (``Placement
 file of that ep rank. A resuming rank first decides the placement it will run with (the saved one when
 the ep size is unchanged, so rebalanced layouts and replicas survive; the default one otherwise), then
 reads only the files whose owners hold experts it needs, and rebuilds its banks from those tensors.
+Routers are resized to the saved expert counts here; their values, like every dense parameter's, come
+from the dense DCP load that follows (train/dense_state.py), which writes into the parameters in place.
 """
 
 from __future__ import annotations
 
 from typing import Dict, List, Mapping, Sequence, Tuple
 
+import torch
 import torch.nn as nn
 from torch import Tensor
 
 from ..moe.experts import expert_param_specs
 from ..planning.placement import Placement
 from .expert_parallel import install_shard
-from .fsdp import copy_into
 from .groups import ParallelGroups
 from .migrate import expert_with
 from .shard import LayerShard
@@ -66,20 +68,21 @@ def owner_files_needed(saved: Sequence[Placement], placements: Sequence[Placemen
 def reshard(
     shards: Sequence[LayerShard],
     placements: Sequence[Placement],
-    dense: Mapping[str, Tensor],
+    dense_shapes: Mapping[str, Sequence[int]],
     experts: Mapping[str, Mapping[str, Tensor]],
     groups: ParallelGroups,
 ) -> List[LayerShard]:
-    """Rebuild every MoE layer for `placements` from logical tensors: the router from the dense tensors
-    (its size follows the saved expert count), the bank from the experts this rank holds. Returns the
-    layers' new shard records; the optimizer's param groups must be refreshed afterwards."""
+    """Rebuild every MoE layer for `placements`: the router at its saved shape (`dense_shapes`, by
+    parameter name; zeros until the dense load fills it), the bank from the logical tensors of the
+    experts this rank holds. Returns the layers' new shard records; the optimizer's param groups must be
+    refreshed afterwards."""
     out = []
     for shard, placement in zip(shards, placements):
         layer = shard.layer
         like = layer.router.weight
         for name, _ in list(layer.router.named_parameters()):
-            saved = dense[_prefix(shard) + "router." + name]
-            setattr(layer.router, name, nn.Parameter(saved.to(device=like.device, dtype=like.dtype)))
+            shape = torch.Size(dense_shapes[_prefix(shard) + "router." + name])
+            setattr(layer.router, name, nn.Parameter(like.new_zeros(shape)))
         specs = expert_param_specs(layer.config)
         modules = []
         for expert in placement.experts_on(groups.ep_rank):
@@ -96,11 +99,3 @@ def reshard(
 
 def _prefix(shard: LayerShard) -> str:
     return f"{shard.name}." if shard.name else ""
-
-
-def load_dense(model_params: Sequence[Tuple[str, nn.Parameter]], saved: Mapping[str, Tensor]) -> None:
-    """Copy saved full tensors into the dense parameters (each rank keeps its own shard under FSDP)."""
-    for name, p in model_params:
-        if name not in saved:
-            raise ValueError(f"the checkpoint has no weights for parameter {name}")
-        copy_into(p, saved[name])

@@ -4,14 +4,17 @@ after experts were added and removed.
 Layout: ``OUT/checkpoints/step_000120/`` with
   meta.pt          config, placements, and the state_dict() of the trainer (step, RNG, data position),
                    the adaptive controller and the recorders (partial window statistics summed over ranks)
-  dense.pt         dense parameters (routers included) and their optimizer state, by parameter name
+  dense/           dense parameters (routers included) and their Adam state, by parameter name: a
+                   torch.distributed.checkpoint directory (train/dense_state.py) in which every rank
+                   writes its own FSDP shard (nothing is gathered) and DCP reshards on load
   experts_ep{r}.pt the experts owned by ep rank r (``Placement.owner``): weights and optimizer state, by
                    'layer/logical id'; written by the ranks of the first dp group
 The manager only composes: each part exposes ``state_dict()`` / ``load_state_dict()``, and resharding
 experts by logical id is ``parallel.reshard``. A resuming rank reads only the expert files it needs.
 Atomic: everything goes into ``step_000120.tmp/`` and rank 0 renames it when all ranks are done; the
 previous checkpoint stays until then. Files hold only tensors and plain containers and are read with
-``torch.load(weights_only=True)``: no arbitrary pickle is ever loaded.
+``torch.load(weights_only=True)``, and DCP's pickled metadata with an allowlist (``SafeReader``): no
+arbitrary pickle is ever loaded. Checkpoints of the older layout (one ``dense.pt``) are refused by name.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from ..parallel.fsdp import full, shard_experts
 from ..parallel.groups import barrier, sum_over_ranks
 from ..parallel.reshard import (
     dense_named_parameters,
-    load_dense,
     local_expert_parameters,
     owned_expert_parameters,
     owner_files_needed,
@@ -38,14 +40,12 @@ from ..parallel.reshard import (
     resume_placement,
 )
 from ..planning.placement import Placement
-from .optim import OptimizerState, refresh_param_groups
+from .dense_state import DENSE_DIR, CheckpointError, load_dense, read_dense_params, read_metadata, save_dense
+from .dense_state import saved_shapes as saved_dense_shapes
+from .optim import ExpertOptimizerState, refresh_param_groups
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 ARCHITECTURE_SECTIONS = ("task", "model", "moe")
-
-
-class CheckpointError(ValueError):
-    pass
 
 
 def checkpoint_root(out_dir: str) -> Path:
@@ -79,9 +79,23 @@ def read_checkpoint_meta(checkpoint: Path):
     return meta, from_dict(saved)
 
 
+def dense_directory(checkpoint: Path) -> Path:
+    """The checkpoint's DCP directory of dense state; the older one-file layout is refused by name."""
+    directory = checkpoint / DENSE_DIR
+    if not directory.is_dir():
+        old = checkpoint / "dense.pt"
+        if old.is_file():
+            raise CheckpointError(
+                f"checkpoint file {old} is in the old format (one dense.pt); the dense state is now a "
+                f"torch.distributed.checkpoint directory {DENSE_DIR}/: resume with the version that wrote it"
+            )
+        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+    return directory
+
+
 def read_checkpoint_dense(checkpoint: Path) -> Dict:
-    """Dense parameters by name (routers included)."""
-    return load_file(checkpoint / "dense.pt")["params"]
+    """Dense parameters by name (routers included), as full tensors on this one process."""
+    return read_dense_params(dense_directory(checkpoint))
 
 
 def read_checkpoint_experts(checkpoint: Path) -> Dict[str, Dict]:
@@ -105,14 +119,9 @@ class CheckpointManager:
         self.adaptive = adaptive
         """The AdaptiveController when adaptive experts are on (its state is saved with the rest)."""
 
-    def _optimizer_state(self) -> OptimizerState:
+    def _expert_optimizer_state(self) -> ExpertOptimizerState:
         t = self.trainer
-        return OptimizerState(
-            t.optimizer,
-            dense_named_parameters(t.model, t.shards),
-            owned_expert_parameters(t.shards),
-            local_expert_parameters(t.shards),
-        )
+        return ExpertOptimizerState(t.optimizer, owned_expert_parameters(t.shards), local_expert_parameters(t.shards))
 
     # -- save --------------------------------------------------------------------------------------
     def save(self) -> Optional[Path]:
@@ -121,18 +130,21 @@ class CheckpointManager:
         final = root / f"step_{t.step:06d}"
         tmp = root / f"step_{t.step:06d}.tmp"
         window = self._summed_window()
-        # Only the ranks that write a payload copy its tensors to the host; under FSDP every rank of the
-        # group a payload is gathered over builds it too (full_tensor is a collective).
-        optimizer = self._optimizer_state()
-        writes_dense, writes_experts = t.is_rank0, t.groups.dp_rank == 0
-        dense = self._dense_payload(optimizer.dense_state()) if writes_dense or t.sharding.dense else None
-        experts = self._expert_payload(optimizer.expert_state()) if writes_experts or t.sharding.experts else None
+        # Experts are written by their owners as logical tensors: only the ranks that write them copy them
+        # to the host, and under expert FSDP every rank of the expert-dp group takes part in gathering
+        # them (full_tensor is a collective). The dense state is never gathered: DCP writes each shard.
+        writes_experts = t.groups.dp_rank == 0
+        experts = (
+            self._expert_payload(self._expert_optimizer_state().state_dict())
+            if writes_experts or t.sharding.experts
+            else None
+        )
         if t.is_rank0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True, exist_ok=True)
         barrier(t.groups, "checkpoint start")
+        save_dense(tmp / DENSE_DIR, dense_named_parameters(t.model, t.shards), t.optimizer, t.groups)
         if t.is_rank0:
-            atomic_save(dense, tmp / "dense.pt")
             atomic_save(self._meta_payload(window), tmp / "meta.pt")
         if t.groups.dp_rank == 0:
             atomic_save(experts, tmp / f"experts_ep{t.groups.ep_rank}.pt")
@@ -153,14 +165,7 @@ class CheckpointManager:
             else sum_over_ranks(flat, self.trainer.groups, "checkpoint window statistics all_reduce")
         )
 
-    # NOTE: device-to-host sync: checkpoints copy every tensor to the host (at checkpoint steps only).
-    def _dense_payload(self, optimizer_dense: Dict) -> Dict:
-        t = self.trainer
-        return {
-            "params": {n: full(p.detach()).cpu().clone() for n, p in dense_named_parameters(t.model, t.shards)},
-            "state": optimizer_dense,
-        }
-
+    # NOTE: device-to-host sync: checkpoints copy every expert tensor to the host (at checkpoint steps only).
     def _expert_payload(self, optimizer_experts: Dict) -> Dict:
         return {
             key: {
@@ -207,21 +212,20 @@ class CheckpointManager:
         t = self.trainer
         meta = load_file(path / "meta.pt")
         self._check_architecture(json.loads(meta["config"]), path)
-        dense = load_file(path / "dense.pt")
+        dense = dense_directory(path)
+        dense_shapes = saved_dense_shapes(read_metadata(dense))  # no communication: before any collective
         saved = [Placement.from_lists(json.loads(p)) for p in meta["placements"]]
         placements = [resume_placement(p, t.groups.ep_size) for p in saved]
         experts = {}
         for owner in owner_files_needed(saved, placements, t.groups.ep_rank):
             experts.update(load_file(path / f"experts_ep{owner}.pt"))
         t.shards = reshard(
-            t.shards, placements, dense["params"], {key: e["params"] for key, e in experts.items()}, t.groups
+            t.shards, placements, dense_shapes, {key: e["params"] for key, e in experts.items()}, t.groups
         )
         shard_experts(t.shards, t.sharding)
-        load_dense(dense_named_parameters(t.model, t.shards), dense["params"])
         refresh_param_groups(t.optimizer, t.model)
-        self._optimizer_state().load_state_dict(
-            {"dense": dense["state"], "experts": {key: e["state"] for key, e in experts.items()}}
-        )
+        load_dense(dense, dense_named_parameters(t.model, t.shards), t.optimizer, t.groups)
+        self._expert_optimizer_state().load_state_dict({key: e["state"] for key, e in experts.items()})
         t.recorders.load_state_dict(self._window_share(meta["recorders"]))
         if self.adaptive is not None and meta["adaptive"] is not None:
             self.adaptive.load_state_dict(meta["adaptive"])

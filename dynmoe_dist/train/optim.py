@@ -71,8 +71,9 @@ def set_lr(optimizer: torch.optim.Optimizer, step: int, train_config, total_step
 
 
 def _cpu_state(state: Dict) -> Dict:
-    # A sharded (FSDP) moment is gathered whole: checkpoints hold logical tensors. Collective: every rank
-    # builds its state dict, in the same order. NOTE: device-to-host sync (checkpoint steps only).
+    # A sharded (FSDP) expert moment is gathered whole: experts are saved as logical tensors by their
+    # owner. Collective: every rank builds its state dict, in the same order. NOTE: device-to-host sync
+    # (checkpoint steps only).
     return {k: full(v.detach()).cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()}
 
 
@@ -81,17 +82,17 @@ def _on_device(state: Dict, device) -> Dict:
     return {k: v.to(device) if torch.is_tensor(v) and k != "step" else v for k, v in state.items()}
 
 
-class OptimizerState:
-    """The optimizer's per-parameter state keyed by *logical* names, for checkpoints: positions in the
-    optimizer change whenever experts are added, removed or moved, names do not.
+class ExpertOptimizerState:
+    """The experts' optimizer state keyed by *logical* names, for checkpoints: positions in the optimizer
+    change whenever experts are added, removed or moved, names do not. (The dense state goes through
+    DCP as it is held: train/dense_state.py.)
 
-    ``{"dense": {param name: state}, "experts": {"layer/expert": {param name: state}}}``; experts are
-    saved by their owner only and restored on every rank that holds them.
+    ``{"layer/expert": {param name: state}}``; experts are saved by their owner only and restored on every
+    rank that holds them.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, dense: List, owned_experts: Dict, local_experts: Dict):
+    def __init__(self, optimizer: torch.optim.Optimizer, owned_experts: Dict, local_experts: Dict):
         self.optimizer = optimizer
-        self.dense = dict(dense)
         self.owned_experts = owned_experts
         self.local_experts = local_experts
 
@@ -100,20 +101,11 @@ class OptimizerState:
         return {name: _cpu_state(state[p]) for name, p in named.items() if p in state}
 
     def state_dict(self) -> Dict:
-        return {"dense": self.dense_state(), "experts": self.expert_state()}
-
-    # The two halves apart: a checkpoint builds each only on the ranks that write it (or, under FSDP,
-    # on every rank that must take part in gathering it).
-    def dense_state(self) -> Dict:
-        return self._states(self.dense)
-
-    def expert_state(self) -> Dict:
         return {key: self._states(params) for key, params in self.owned_experts.items()}
 
     def load_state_dict(self, saved: Dict) -> None:
-        self._load(self.dense, saved["dense"])
         for key, params in self.local_experts.items():
-            self._load(params, saved["experts"].get(key, {}))
+            self._load(params, saved.get(key, {}))
 
     def _load(self, named: Dict, saved: Dict) -> None:
         for name, state in saved.items():

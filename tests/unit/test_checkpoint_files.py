@@ -1,13 +1,20 @@
 """Checkpoint files: atomic commit, crash while writing, missing/corrupt files, architecture mismatch."""
 
+import pickle
+import shutil
+
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from dynmoe_dist.config import load_config
 from dynmoe_dist.parallel.reshard import dense_named_parameters
 from dynmoe_dist.train import checkpoint as ckpt
 from dynmoe_dist.train.checkpoint import CheckpointError, CheckpointManager, complete_checkpoints
+from dynmoe_dist.train.dense_state import read_metadata
 from dynmoe_dist.train.loop import Trainer
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 
 def _trainer(out_dir, *extra):
@@ -81,8 +88,22 @@ def test_missing_and_corrupt_checkpoints_name_the_file(tmp_path):
     assert CheckpointManager(t).resume("auto") is None  # nothing yet: fresh start
     t.train_step()
     path = CheckpointManager(t).save()
-    (path / "dense.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(CheckpointError, match=r"dense\.pt is corrupt"):
+    data = next((path / "dense").glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:100])  # a data file cut short
+    with pytest.raises(CheckpointError, match=f"{path / 'dense'} is corrupt or unreadable"):
+        CheckpointManager(_trainer(tmp_path)).resume(str(path))
+    (path / "dense" / ".metadata").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match=r"dense/\.metadata is corrupt or unsafe"):
+        CheckpointManager(_trainer(tmp_path)).resume(str(path))
+
+
+def test_checkpoint_of_the_old_one_file_layout_is_refused_by_name(tmp_path):
+    t = _trainer(tmp_path)
+    t.train_step()
+    path = CheckpointManager(t).save()
+    shutil.rmtree(path / "dense")
+    torch.save({"params": {}, "state": {}}, path / "dense.pt")
+    with pytest.raises(CheckpointError, match=f"{path / 'dense.pt'} is in the old format"):
         CheckpointManager(_trainer(tmp_path)).resume(str(path))
 
 
@@ -107,19 +128,24 @@ def test_checkpoint_files_load_with_weights_only(tmp_path):
     t = _trainer(tmp_path)
     t.train_step()
     path = CheckpointManager(t).save()
-    assert sorted(f.name for f in path.iterdir()) == ["dense.pt", "experts_ep0.pt", "meta.pt"]
-    loaded = {f.name: torch.load(f, weights_only=True) for f in path.iterdir()}  # raises on any non-tensor pickle
-    meta, dense, experts = loaded["meta.pt"], loaded["dense.pt"], loaded["experts_ep0.pt"]
+    assert sorted(f.name for f in path.iterdir()) == ["dense", "experts_ep0.pt", "meta.pt"]
+    loaded = {f.name: torch.load(f, weights_only=True) for f in path.glob("*.pt")}  # raises on any non-tensor pickle
+    meta, experts = loaded["meta.pt"], loaded["experts_ep0.pt"]
     assert sorted(meta) == ["adaptive", "config", "num_experts", "placements", "recorders", "step", "trainer"]
     assert meta["step"] == 1 and meta["num_experts"] == [3] and torch.is_tensor(meta["trainer"]["rng"])
     assert meta["trainer"]["data"]["step"] == 1 and meta["recorders"] == {"window": None}
-    # dense.pt: every non-expert parameter by name (routers included), each with its Adam state after 1 step.
+    # dense/ (DCP): every non-expert parameter by name (routers included), each with its Adam state after 1 step.
     dense_names = sorted(n for n, _ in dense_named_parameters(t.model, t.shards))
-    assert sorted(dense) == ["params", "state"]
-    assert sorted(dense["params"]) == dense_names
+    keys = sorted(read_metadata(path / "dense").state_dict_metadata)
+    assert keys == sorted(
+        [f"param/{n}" for n in dense_names] + [f"adam/{n}/{k}" for n in dense_names for k in ADAM_KEYS]
+    )
     assert "stack.blocks.1.ffn.router.weight" in dense_names and "stack.blocks.1.ffn.router.threshold" in dense_names
     assert not any(".experts." in n for n in dense_names)
-    assert sorted(dense["state"]) == dense_names
+    params = ckpt.read_checkpoint_dense(path)
+    for name, p in t.model.named_parameters():
+        if name in dense_names:
+            assert torch.equal(params[name], p.detach()), name
     # experts_ep0.pt: keyed "layer/logical expert": 0/0, 0/1, 0/2, each with its weights and their state.
     assert sorted(experts) == ["0/0", "0/1", "0/2"]
     for entry in experts.values():
@@ -128,7 +154,49 @@ def test_checkpoint_files_load_with_weights_only(tmp_path):
         assert all(torch.is_tensor(v) for v in entry["params"].values())
     # The project's loader reads the same files, and refuses one that holds an arbitrary pickled object.
     assert ckpt.load_file(path / "meta.pt")["step"] == 1
-    evil = path / "dense.pt"
-    torch.save({"params": {}, "state": {}, "hook": _NotATensor()}, evil)
-    with pytest.raises(CheckpointError, match=r"dense\.pt is corrupt or unreadable"):
+    evil = path / "experts_ep0.pt"
+    torch.save({"0/0": {"params": {}, "state": {}, "hook": _NotATensor()}}, evil)
+    with pytest.raises(CheckpointError, match=r"experts_ep0\.pt is corrupt or unreadable"):
         ckpt.load_file(evil)
+
+
+class _Exploit:
+    """Unpickling this runs a function of the attacker's choice (here a harmless marker write)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+REFUSED = r"dense/\.metadata is corrupt or unsafe: io\.open is not a checkpoint metadata class"
+
+
+def test_malicious_dcp_metadata_is_refused_before_anything_runs(tmp_path):
+    t = _trainer(tmp_path)
+    t.train_step()
+    path = CheckpointManager(t).save()
+    marker = tmp_path / "pwned"
+    metadata = path / "dense" / ".metadata"
+    original = metadata.read_bytes()
+    real = read_metadata(path / "dense")
+    real.planner_data = _Exploit(marker)  # a real metadata object carrying a payload
+    metadata.write_bytes(pickle.dumps(real))
+    for read in (
+        lambda: CheckpointManager(_trainer(tmp_path)).resume(str(path)),
+        lambda: ckpt.read_checkpoint_dense(path),
+    ):
+        with pytest.raises(CheckpointError, match=REFUSED):
+            read()
+    assert not marker.exists()
+    pickle.loads(metadata.read_bytes())  # what DCP's own reader does: the payload is live
+    assert marker.exists()
+    marker.unlink()
+    # Byte entries (pickled objects, which DCP would load with weights_only=False) are refused too.
+    metadata.write_bytes(original)
+    real = read_metadata(path / "dense")
+    real.state_dict_metadata["evil"] = BytesStorageMetadata()
+    metadata.write_bytes(pickle.dumps(real))
+    with pytest.raises(CheckpointError, match=r"dense/\.metadata is corrupt or unsafe"):
+        ckpt.read_checkpoint_dense(path)

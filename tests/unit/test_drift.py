@@ -15,6 +15,7 @@ from hf_tiny import hf_model_settings, write_tiny_run  # noqa: E402  (tests/hf_t
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.experiments.drift import compare_table, layer_drift, main, run_drift  # noqa: E402
+from dynmoe_dist.train.checkpoint import read_checkpoint_dense  # noqa: E402
 
 QUIET = ["output.progress=false", "output.tensorboard=false", "output.report=false"]
 
@@ -110,7 +111,7 @@ def test_moe_run_against_norms_of_the_saved_files(runs):
 def test_dense_run_compares_its_own_mlp(runs):
     root, model_dir, _, dense = runs
     result = run_drift(dense, blocks=[1])
-    params = torch.load(next((dense / "checkpoints").glob("step_*")) / "dense.pt", weights_only=True)["params"]
+    params = read_checkpoint_dense(next((dense / "checkpoints").glob("step_*")))
     trained = [params[f"hf.model.layers.1.mlp.{p}_proj.weight"].double() for p in ("gate", "up", "down")]
     w0 = _pretrained_mlp(model_dir, 1)
     expected = _norm([a - b for a, b in zip(trained, w0)]) / _norm(w0)
