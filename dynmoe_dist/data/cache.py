@@ -43,13 +43,13 @@ def say(message: str) -> None:
 
 
 def default_cache_dir() -> Path:
-    """$DYNMOE_TOKEN_CACHE, else the data directory's tokens/ (~/.cache/dynmoe_dist/tokens)."""
+    """$DYNMOE_TOKEN_CACHE, else tokens/ in the data directory (tasks/assets.py's: $DYNMOE_DATA_DIR, else
+    ~/.cache/dynmoe_dist)."""
     override = os.environ.get("DYNMOE_TOKEN_CACHE", "").strip()
     if override:
         return Path(override).expanduser()
-    from ..tasks.assets import data_dir
-
-    return data_dir() / "tokens"
+    data_dir = os.environ.get("DYNMOE_DATA_DIR", "").strip()
+    return (Path(data_dir).expanduser() if data_dir else Path.home() / ".cache" / "dynmoe_dist") / "tokens"
 
 
 def xxh3_of(path: Path, start: int = 0, length: Optional[int] = None) -> str:

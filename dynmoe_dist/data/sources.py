@@ -1,7 +1,7 @@
 """Where a corpus' text comes from: its files, read with the Hugging Face ``datasets`` library.
 
 ``task.path`` names a .txt, .jsonl, .parquet or .arrow file, a directory holding such files (searched
-recursively, read in sorted path order), or a built-in corpus by name ('rotten-tomatoes'). Every
+recursively, read in sorted path order), or a built-in corpus by name (register_builtin). Every
 file becomes one ``datasets.Dataset`` with a single string column 'text', documents in file order:
   .txt      every non-empty line, stripped, is one document (the 'text' builder);
   .jsonl    one JSON object per line, the document under ``task.text_field`` (the 'json' builder);
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, List
+from typing import TYPE_CHECKING, Callable, Dict, List, Tuple
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -25,21 +25,13 @@ SUFFIXES = tuple(BUILDERS)
 TEXT_COLUMN = "text"
 
 
-def _builtin_rotten_tomatoes() -> List[str]:
-    from ..tasks.text import load_rotten_tomatoes
-
-    return load_rotten_tomatoes()[0]
-
-
-def _builtin_rotten_tomatoes_file() -> Path:
-    from ..tasks.assets import rotten_tomatoes_path
-
-    return rotten_tomatoes_path()
+# name -> (its documents, the file they come from: that file's content hash keys the token cache).
+# Filled by the tasks that ship corpora (tasks/causal_lm.py: 'rotten-tomatoes'); data/ imports no task.
+BUILTIN_CORPORA: Dict[str, Tuple[Callable[[], List[str]], Callable[[], Path]]] = {}
 
 
-# name -> (documents, the file they come from: its content hash keys the token cache)
-BUILTIN_CORPORA: Dict[str, Callable[[], List[str]]] = {"rotten-tomatoes": _builtin_rotten_tomatoes}
-BUILTIN_FILES: Dict[str, Callable[[], Path]] = {"rotten-tomatoes": _builtin_rotten_tomatoes_file}
+def register_builtin(name: str, documents: Callable[[], List[str]], source_file: Callable[[], Path]) -> None:
+    BUILTIN_CORPORA[name] = (documents, source_file)
 
 
 def describe_inputs() -> str:
@@ -51,7 +43,7 @@ def corpus_files(path_text: str, field: str) -> List[Path]:
     if not path_text:
         raise ValueError(f"{field} ('') must name {describe_inputs()} for task 'causal-lm'")
     if path_text in BUILTIN_CORPORA:
-        return [BUILTIN_FILES[path_text]()]
+        return [BUILTIN_CORPORA[path_text][1]()]
     path = Path(path_text).expanduser()
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file())
@@ -77,7 +69,7 @@ def load_documents(path_text: str, file: Path, text_field: str, hf_cache: Path) 
     """One file (or the built-in corpus) -> a Dataset with one string column 'text', checked row by row."""
     datasets = _datasets()
     if path_text in BUILTIN_CORPORA:
-        return datasets.Dataset.from_dict({TEXT_COLUMN: BUILTIN_CORPORA[path_text]()})
+        return datasets.Dataset.from_dict({TEXT_COLUMN: BUILTIN_CORPORA[path_text][0]()})
     if _is_blank_text_file(file):
         return datasets.Dataset.from_dict({TEXT_COLUMN: []})
     builder = BUILDERS[file.suffix]
@@ -89,7 +81,12 @@ def load_documents(path_text: str, file: Path, text_field: str, hf_cache: Path) 
         raise ValueError(f"{file}: not a readable {builder} file ({type(err).__name__}: {_first_line(err)})") from None
     if file.suffix == ".txt":
         return table.map(_strip_lines, batched=True).filter(_non_empty, batched=True)
-    return _text_column(table, file, text_field)
+    try:
+        return _text_column(table, file, text_field)
+    except ValueError:
+        if file.suffix == ".jsonl":  # JSON lines: name the line and what is wrong with it exactly
+            first_bad_json_line(file, text_field)
+        raise
 
 
 def _is_blank_text_file(file: Path) -> bool:

@@ -4,7 +4,7 @@ Shape legend: D documents in a split, B windows in a batch, W = L + 1 tokens per
 
 A split is an ordered list of documents (a train/held-out split shuffles them). Its token stream is those
 documents' tokens one after the other (each ends with EOS when the tokenizer has one), and window i is
-stream[i*W : (i+1)*W]: exactly what tasks/causal_lm.py's in-memory ``pack`` cut, without building the
+stream[i*W : (i+1)*W]: exactly what an in-memory packing of that stream would cut, without building the
 stream. ``read`` maps the stream positions of a batch to file positions with one searchsorted over the
 split's cumulative document lengths and gathers them from the memmap, so a rank touches only the pages
 of its own windows. Memory per split: two int64 per document (start in the file, cumulative length).

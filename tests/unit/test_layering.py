@@ -2,9 +2,10 @@
 
 kernels -> moe -> models -> planning -> parallel -> train -> cluster -> launcher: a module may import
 its own layer and the layers before it, never one after it. The modules DESIGN does not list sit where
-their imports put them: ``tasks`` and ``config`` between planning and parallel (they build models and
-read the planner's options), ``coordination`` between parallel and train (the trainer calls it), and
-``bench`` / ``experiments`` between train and cluster (they drive the trainer).
+their imports put them: ``data`` (token files, read by tasks) then ``tasks`` and ``config`` between
+planning and parallel (they build models and read the planner's options), ``coordination`` between
+parallel and train (the trainer calls it), and ``bench`` / ``experiments`` between train and cluster
+(they drive the trainer).
 """
 
 import ast
@@ -17,6 +18,7 @@ ORDER = [
     "moe",
     "models",
     "planning",
+    "data",
     "tasks",
     "config",
     "parallel",
