@@ -153,8 +153,10 @@ def install(built: Path, entry: Path) -> None:
 class TokenCorpus:
     """A checked cache entry, memory-mapped: the token stream and where each document starts."""
 
-    def __init__(self, entry: Path):
+    def __init__(self, entry: Path, reused: bool = True):
         self.entry = entry
+        self.reused = reused
+        """False when this open built the entry."""
         self.index = read_index(entry)
         num_tokens = int(self.index["num_tokens"])
         # np.memmap refuses a zero-length map; an entry always holds tokens (prepare refuses an empty corpus)

@@ -98,11 +98,11 @@ def open_corpus(spec: CorpusSpec, full_check: bool = False) -> TokenCorpus:
         if problem != "missing":
             say(f"token cache {entry} not used: {problem}; rebuilding it")
         build(spec, files, inputs, entry)
-    return TokenCorpus(entry)
+    return TokenCorpus(entry, reused=False)
 
 
 def reuse(entry: Path, spec: CorpusSpec) -> TokenCorpus:
-    corpus = TokenCorpus(entry)
+    corpus = TokenCorpus(entry, reused=True)
     say(
         f"reusing the token cache of {spec.field} ({spec.path!r}): {entry} "
         f"({corpus.num_tokens} tokens, {corpus.num_docs} documents)"

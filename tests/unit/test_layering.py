@@ -32,6 +32,8 @@ ORDER = [
     "launcher",
 ]
 LAYER_OF_FOLDER = {"kernels": "kernels", "cluster": "cluster", "launcher": "launcher"}
+# Entry points that live in an early package so that `python -m` finds them there, but read run files.
+LAYER_OF_MODULE = {"dynmoe_dist.data.__main__": "train"}
 
 
 def _module_name(path: Path) -> str:
@@ -72,6 +74,8 @@ def _all_files():
 
 def layer_of(module: str):
     """The design layer of a dynmoe_dist module (None: the package root, or outside the project)."""
+    if module in LAYER_OF_MODULE:
+        return LAYER_OF_MODULE[module]
     parts = module.split(".")
     if parts[0] in LAYER_OF_FOLDER:
         return LAYER_OF_FOLDER[parts[0]]
