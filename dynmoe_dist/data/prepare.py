@@ -161,7 +161,8 @@ def write_streams(spec: CorpusSpec, files: List[Path], build_dir: Path, eos: int
     with open(build_dir / "tokens.bin", "wb") as out:
         for file in files:
             docs = load_documents(spec.path, file, spec.text_field, build_dir / "hf")
-            lengths += append_tokens(tokenise_file(docs, spec, eos), out, digest)
+            if len(docs):  # an empty file adds no documents (and map would give it no 'ids' column)
+                lengths += append_tokens(tokenise_file(docs, spec, eos), out, digest)
         out.flush()
         os.fsync(out.fileno())
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
