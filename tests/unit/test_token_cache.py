@@ -222,9 +222,11 @@ def test_waiting_for_another_build_times_out_with_a_clear_error(tmp_path):
                 pass
 
 
-def test_prepare_command_then_training_reuses(model_dir, tmp_path):
+def test_prepare_command_then_training_reuses(model_dir, tmp_path, capsys):
     import subprocess
     import sys
+
+    from dynmoe_dist.data.__main__ import main
 
     (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in corpus_lines(60)) + "\n")
     run_file = tmp_path / "run.toml"
@@ -238,17 +240,14 @@ def test_prepare_command_then_training_reuses(model_dir, tmp_path):
     assert first.returncode == 0, first.stderr
     result = json.loads(first.stdout)
     assert not result["reused"] and result["num_docs"] == 60 and result["tokens_per_s"] > 0
-    second = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout)
+    capsys.readouterr()
+    assert main(["prepare", "--config", str(run_file)]) == 0
+    second = json.loads(capsys.readouterr().out)
     assert second["reused"] and second["entry"] == result["entry"]
     task = build_task(load_config(str(run_file)).task)  # the run maps the prepared entry
     assert str(task.windows["train"].tokens.filename) == os.path.join(result["entry"], "tokens.bin")
-    bad = subprocess.run(
-        cmd[:4] + ["--path", str(tmp_path / "none.txt"), "--tokenizer", str(model_dir)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    capsys.readouterr()
+    assert main(["prepare", "--path", str(tmp_path / "none.txt"), "--tokenizer", str(model_dir)]) == 2
     assert (
-        bad.returncode == 2
-        and bad.stderr.strip() == "python -m dynmoe_dist.data: error: --max-len is required without --config"
+        capsys.readouterr().err.strip() == "python -m dynmoe_dist.data: error: --max-len is required without --config"
     )
