@@ -18,13 +18,13 @@ from hf_tiny import WORDS, corpus_lines, hf_model_settings, save_llama, save_tok
 
 from dynmoe_dist.parallel.simulate import run_simulated  # noqa: E402
 
-STEPS, SAVE_AT = 22, 9  # 17 steps per epoch (below): the run crosses into epoch 1, the save is mid-epoch 0
+STEPS, SAVE_AT = 14, 6  # 11 steps per epoch (below): the run crosses into epoch 1, the save is mid-epoch 0
 
 
 def write_corpus(path):
     """Short and long documents (a window spans several, a long document several windows), as JSON lines."""
     long_docs = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(30 + 5 * i)) for i in range(4)]
-    docs = corpus_lines(150, 5)[:70] + long_docs + corpus_lines(150, 5)[70:]
+    docs = corpus_lines(90, 5)[:40] + long_docs + corpus_lines(90, 5)[40:]
     path.write_text("\n".join(json.dumps({"text": d}) for d in docs) + "\n")
     return docs
 
@@ -121,7 +121,7 @@ def world_results(files, world):
 
 
 def test_the_run_crosses_an_epoch_and_saves_mid_epoch(reference):
-    assert reference["steps_per_epoch"] == 17 and SAVE_AT % 17 != 0 and STEPS > 17
+    assert reference["steps_per_epoch"] == 11 and SAVE_AT % 11 != 0 and STEPS > 11
 
 
 def test_one_rank_reads_exactly_the_in_memory_windows(files, reference):
