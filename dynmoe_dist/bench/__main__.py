@@ -12,6 +12,7 @@ BENCHMARKS = {
     "scale": "dynmoe_dist.bench.scale",
     "hf": "dynmoe_dist.bench.hf",
     "generate": "dynmoe_dist.bench.generate",
+    "data": "dynmoe_dist.bench.data",
 }
 
 
