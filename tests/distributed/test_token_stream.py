@@ -3,7 +3,7 @@ packing it replaced: float64 per-step losses and the held-out loss on 1, 2 and 3
 single-process in-memory reference (1 rank: bit for bit; 2 and 3: to 1e-9, the summation order), with
 uneven shares (7 sequences per step over 2 and 3 ranks) and across an epoch boundary. A checkpoint
 written mid-epoch resumes to the uninterrupted run's losses, on its own world size and on another one
-(2 ranks -> 3).
+(2 ranks -> 3). All ranks of a world open its missing token cache at once: exactly one builds it.
 
 Each world's group is spawned once for the module; the 3-rank cluster resumes the 2-rank checkpoint."""
 
@@ -40,6 +40,7 @@ def settings(model_dir, corpus, out_dir):
         "train.warmup_steps=1",
         "adaptive.enabled=false",
         f"output.out_dir='{out_dir}'",
+        f"task.cache_dir='{out_dir}/token_cache'",  # every world builds its own: its ranks race for the lock
     ]
 
 
@@ -68,9 +69,14 @@ def train(config, steps, start_from=""):
 
 def lm_worker(model_dir, corpus, out_dir, resume_from=""):
     from dynmoe_dist.config import load_config
+    from dynmoe_dist.data import open_corpus
+    from dynmoe_dist.tasks.causal_lm import corpus_spec
 
     config = load_config(None, settings(model_dir, corpus, out_dir))
+    # all ranks open the missing entry at once: one builds it under the lock, the others wait and reuse it
+    built = not open_corpus(corpus_spec(config.task, config.task.path, "task.path")).reused
     result = train(config, STEPS)
+    result["built_the_cache"] = built
     result["resumed"] = train(config, STEPS, start_from=resume_from or result["saved"])["losses"]
     return result
 
@@ -127,6 +133,11 @@ def test_the_run_crosses_an_epoch_and_saves_mid_epoch(reference):
 def test_one_rank_reads_exactly_the_in_memory_windows(files, reference):
     got = world_results(files, 1)[0]
     assert got["losses"] == reference["losses"] and got["test_loss"] == reference["test_loss"]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_one_rank_builds_the_token_cache(files, world):
+    assert sum(r["built_the_cache"] for r in world_results(files, world)) == 1
 
 
 @pytest.mark.parametrize("world", [2, 3])
