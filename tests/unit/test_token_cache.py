@@ -251,3 +251,14 @@ def test_prepare_command_then_training_reuses(model_dir, tmp_path, capsys):
     assert (
         capsys.readouterr().err.strip() == "python -m dynmoe_dist.data: error: --max-len is required without --config"
     )
+
+
+def test_worker_processes_keep_the_document_order(model_dir, tmp_path):
+    from dynmoe_dist.data.prepare import MIN_DOCS_PER_WORKER
+
+    docs = corpus_lines(2 * MIN_DOCS_PER_WORKER, 6)
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs) + "\n")
+    one = open_corpus(spec(tmp_path / "c.jsonl", model_dir, tmp_path / "one", num_proc=1))
+    two = open_corpus(spec(tmp_path / "c.jsonl", model_dir, tmp_path / "two", num_proc=2))  # 2 map workers
+    assert two.num_docs == len(docs) and np.array_equal(np.array(one.tokens), np.array(two.tokens))
+    assert np.array_equal(np.array(one.doc_offsets), np.array(two.doc_offsets))
