@@ -73,8 +73,11 @@ def load_documents(path_text: str, file: Path, text_field: str, hf_cache: Path) 
     if _is_blank_text_file(file):
         return datasets.Dataset.from_dict({TEXT_COLUMN: []})
     builder = BUILDERS[file.suffix]
+    options = {"columns": [text_field]} if file.suffix == ".parquet" and _parquet_has(file, text_field) else {}
     try:
-        table = datasets.load_dataset(builder, data_files=[str(file)], split="train", cache_dir=str(hf_cache))
+        table = datasets.load_dataset(
+            builder, data_files=[str(file)], split="train", cache_dir=str(hf_cache), **options
+        )
     except Exception as err:  # the builders raise pyarrow, pandas and datasets errors of many types
         if file.suffix == ".jsonl":
             first_bad_json_line(file, text_field)  # raises with the line number when it can find one
@@ -87,6 +90,18 @@ def load_documents(path_text: str, file: Path, text_field: str, hf_cache: Path) 
         if file.suffix == ".jsonl":  # JSON lines: name the line and what is wrong with it exactly
             first_bad_json_line(file, text_field)
         raise
+
+
+def _parquet_has(file: Path, column: str) -> bool:
+    """Whether the parquet schema (footer metadata only) has the column: then only that column is read
+    (a table's other columns are not copied into the builder's cache); if not, the full read fails later
+    with the list of columns."""
+    import pyarrow.parquet as pq
+
+    try:
+        return column in pq.read_schema(file).names
+    except Exception:  # not parquet at all: the builder's error names the file
+        return False
 
 
 def _is_blank_text_file(file: Path) -> bool:
