@@ -57,11 +57,14 @@ class DigestMemo:
         """Atomically (a concurrent reader sees the old or the new memo, never half of one)."""
         if not self.changed:
             return
-        self.file.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.file.parent, prefix=".digests-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.entries, f)
-        os.replace(tmp, self.file)
+        try:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.file.parent, prefix=".digests-")
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.entries, f)
+            os.replace(tmp, self.file)
+        except OSError:
+            return  # a read-only cache of prepared entries: the memo only saves re-reading files
         self.changed = False
 
 

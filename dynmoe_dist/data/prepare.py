@@ -91,13 +91,19 @@ def open_corpus(spec: CorpusSpec, full_check: bool = False) -> TokenCorpus:
     problem = entry_problem(entry, inputs, full_check)
     if problem is None:
         return reuse(entry, spec)
-    with build_lock(root / f"{key}.lock"):
-        problem = entry_problem(entry, inputs, full_check)  # another process may have built it meanwhile
-        if problem is None:
-            return reuse(entry, spec)
-        if problem != "missing":
-            say(f"token cache {entry} not used: {problem}; rebuilding it")
-        build(spec, files, inputs, entry)
+    try:
+        with build_lock(root / f"{key}.lock"):
+            problem = entry_problem(entry, inputs, full_check)  # another process may have built it meanwhile
+            if problem is None:
+                return reuse(entry, spec)
+            if problem != "missing":
+                say(f"token cache {entry} not used: {problem}; rebuilding it")
+            build(spec, files, inputs, entry)
+    except PermissionError as err:
+        raise ValueError(
+            f"task.cache_dir ({str(root)!r}) is not writable ({err.strerror}: {err.filename}); "
+            "prepare the corpus where it is, or point task.cache_dir elsewhere"
+        ) from None
     return TokenCorpus(entry, reused=False)
 
 
@@ -174,8 +180,9 @@ def build(spec: CorpusSpec, files: List[Path], inputs: Dict[str, Any], entry: Pa
     started = time.perf_counter()
     tokenizer = _tokenizer(spec.tokenizer)
     eos = -1 if tokenizer.eos_token_id is None else int(tokenizer.eos_token_id)
+    for stale in entry.parent.glob(f".build-{entry.name}-*"):  # left by a builder that died (we hold the lock)
+        shutil.rmtree(stale, ignore_errors=True)
     build_dir = entry.with_name(f".build-{entry.name}-{os.getpid()}")
-    shutil.rmtree(build_dir, ignore_errors=True)
     build_dir.mkdir(parents=True)
     try:
         say(f"tokenising {spec.field} ({spec.path!r}, {len(files)} file(s)) into {entry}")

@@ -262,3 +262,15 @@ def test_worker_processes_keep_the_document_order(model_dir, tmp_path):
     two = open_corpus(spec(tmp_path / "c.jsonl", model_dir, tmp_path / "two", num_proc=2))  # 2 map workers
     assert two.num_docs == len(docs) and np.array_equal(np.array(one.tokens), np.array(two.tokens))
     assert np.array_equal(np.array(one.doc_offsets), np.array(two.doc_offsets))
+
+
+def test_a_dead_builders_leftovers_are_removed(model_dir, tmp_path):
+    file = write_formats(tmp_path / "in", DOCS)[0]
+    s = spec(file, model_dir, tmp_path / "cache")
+    key = key_of(key_inputs(s, corpus_files(s.path, s.field), DigestMemo(tmp_path / "cache")))
+    stale = tmp_path / "cache" / f".build-{key}-999999"
+    (stale / "hf").mkdir(parents=True)
+    (stale / "tokens.bin").write_bytes(b"\0" * 64)
+    corpus = open_corpus(s)
+    assert not stale.exists() and corpus.entry.name == key and corpus.num_docs == len(DOCS)
+    assert sorted(p.name for p in corpus.entry.iterdir()) == ["docs.npy", "index.json", "tokens.bin"]
