@@ -274,3 +274,22 @@ def test_a_dead_builders_leftovers_are_removed(model_dir, tmp_path):
     corpus = open_corpus(s)
     assert not stale.exists() and corpus.entry.name == key and corpus.num_docs == len(DOCS)
     assert sorted(p.name for p in corpus.entry.iterdir()) == ["docs.npy", "index.json", "tokens.bin"]
+
+
+def test_test_path_is_the_held_out_corpus(model_dir, tmp_path):
+    from lm_reference import pack
+
+    from dynmoe_dist.models.hf.loading import load_tokenizer
+
+    train_docs, test_docs = corpus_lines(50, 7), corpus_lines(20, 8)
+    (tmp_path / "train.txt").write_text("\n".join(train_docs) + "\n")
+    pq.write_table(pa.table({"text": test_docs}), tmp_path / "held_out.parquet")
+    settings = hf_model_settings(model_dir, tmp_path / "train.txt") + [
+        f"task.test_path='{tmp_path / 'held_out.parquet'}'"
+    ]
+    task = build_task(load_config(None, settings).task)
+    tok = load_tokenizer(str(model_dir))
+    for split, docs in (("train", train_docs), ("test", test_docs)):  # every document, in file order
+        want = pack(docs, tok, 8)
+        got = task.batch(split, torch.arange(task.size(split)))
+        assert torch.equal(got.inputs["input_ids"], want["input_ids"]) and torch.equal(got.targets, want["targets"])
