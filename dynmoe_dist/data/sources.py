@@ -1,7 +1,7 @@
 """Where a corpus' text comes from: its files, read with the Hugging Face ``datasets`` library.
 
 ``task.path`` names a .txt, .jsonl, .parquet or .arrow file, a directory holding such files (searched
-recursively, read in sorted path order), or a built-in corpus by name (register_builtin). Every
+recursively, hidden ones skipped, read in sorted path order), or a built-in corpus by name (register_builtin). Every
 file becomes one ``datasets.Dataset`` with a single string column 'text', documents in file order:
   .txt      every non-empty line, stripped, is one document (the 'text' builder);
   .jsonl    one JSON object per line, the document under ``task.text_field`` (the 'json' builder);
@@ -46,7 +46,14 @@ def corpus_files(path_text: str, field: str) -> List[Path]:
         return [BUILTIN_CORPORA[path_text][1]()]
     path = Path(path_text).expanduser()
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file())
+        # hidden files and folders (.ipynb_checkpoints, editors' backups) are not part of a corpus
+        files = sorted(
+            p
+            for p in path.rglob("*")
+            if p.suffix in SUFFIXES
+            and p.is_file()
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
         if not files:
             raise ValueError(f"{field} ({path_text!r}) is a directory without {' / '.join(SUFFIXES)} files")
         return files

@@ -77,6 +77,7 @@ def test_every_format_gives_the_same_tokens(model_dir, tmp_path):
     both = tmp_path / "dir"
     write_formats(both / "b", DOCS[:5])
     write_formats(both / "a", DOCS[5:9])
+    write_formats(both / ".ipynb_checkpoints", DOCS[:3])  # hidden: skipped
     files = corpus_files(str(both), "task.path")
     assert [f.relative_to(both).as_posix() for f in files][:2] == ["a/c.arrow", "a/c.jsonl"] and len(files) == 8
     assert open_corpus(spec(both, model_dir, tmp_path / "cache")).num_docs == 4 * 4 + 4 * 5
