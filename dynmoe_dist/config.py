@@ -44,13 +44,21 @@ class TaskConfig:
     seed: int = 1234
     """Seed of the train/test split and of synthetic data (independent of the training seed)."""
     tokenizer: str = ""
-    """'causal-lm': the model's tokenizer (a model directory with tokenizer files, or a .gguf file); normally
-    the same path as model.path (the task is built before the model and cannot read the model section)."""
+    """'causal-lm': the tokenizer (a model directory with tokenizer files, a .gguf file or package:NAME);
+    '' = model.path's own tokenizer, filled in when the config is loaded."""
+    text_field: str = "text"
+    """'causal-lm': the column (.parquet / .arrow) or key (.jsonl) that holds each document's text."""
+    cache_dir: str = ""
+    """'causal-lm': directory of the token cache ('' = $DYNMOE_TOKEN_CACHE, else ~/.cache/dynmoe_dist/tokens)."""
+    prepare_workers: int = 0
+    """'causal-lm': processes that tokenise a corpus not yet in the cache (0 = one per CPU core, at most 8)."""
 
     def __post_init__(self):
         _require(0.0 < self.test_fraction < 1.0, f"task.test_fraction ({self.test_fraction}) must be in (0, 1)")
         _require(self.max_len >= 2, f"task.max_len ({self.max_len}) must be >= 2")
         _require(self.num_samples >= 0, f"task.num_samples ({self.num_samples}) must be >= 0")
+        _require(self.prepare_workers >= 0, f"task.prepare_workers ({self.prepare_workers}) must be >= 0")
+        _require(bool(self.text_field), "task.text_field ('') must name the column that holds the text")
 
 
 @dataclass

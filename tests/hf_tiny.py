@@ -71,7 +71,6 @@ def hf_model_settings(model_dir, text_file):
     return [
         "task.name='causal-lm'",
         f"task.path='{text_file}'",
-        f"task.tokenizer='{model_dir}'",
         "task.max_len=8",
         "model.source='hf'",
         f"model.path='{model_dir}'",

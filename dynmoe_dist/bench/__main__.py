@@ -13,6 +13,7 @@ BENCHMARKS = {
     "hf": "dynmoe_dist.bench.hf",
     "generate": "dynmoe_dist.bench.generate",
     "checkpoint": "dynmoe_dist.bench.checkpoint",
+    "data": "dynmoe_dist.bench.data",
 }
 
 

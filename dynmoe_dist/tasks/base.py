@@ -86,6 +86,9 @@ TASK_OPTIONS: FrozenSet[str] = frozenset(
         "model.source",
         "model.path",
         "task.tokenizer",
+        "task.text_field",
+        "task.cache_dir",
+        "task.prepare_workers",
     }
 )
 

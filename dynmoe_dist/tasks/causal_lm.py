@@ -2,20 +2,24 @@
 
 Shape legend: N packed sequences, L = task.max_len tokens per sequence, B batch, V vocabulary.
 
-Text: task.path is a .jsonl file ({"text": ...} per line), a .txt file (every non-empty line is one
-document), a directory of such files, or a built-in corpus by name: 'rotten-tomatoes' (the review
-snippets of minilm-sentiment, see tasks/assets.py; labels unused). Documents are split into train /
-held-out *before* packing (so held-out text is unseen), tokenised with the model's tokenizer
-(task.tokenizer), joined with the EOS token between documents and cut into sequences of L + 1 tokens:
-inputs are the first L, targets the last L. Every sequence has exactly L targets, which is what makes
-the trainer's contract simple: the loss is summed over target tokens and ``count_items`` is L per
-sequence, so the gradient does not depend on how a batch is split over ranks. Held-out perplexity =
+Text: task.path is a .txt (every non-empty line one document), .jsonl (task.text_field of each object),
+.parquet or .arrow file (column task.text_field), a directory of such files, or a built-in corpus by
+name: 'rotten-tomatoes' (the review snippets of minilm-sentiment, see tasks/assets.py; labels unused).
+The corpus is tokenised once with the model's tokenizer (task.tokenizer, default model.path) into the
+token cache (dynmoe_dist/data: a memory-mapped uint32 token file, EOS between documents) and every later
+start maps it; ``python -m dynmoe_dist.data prepare --config RUN.toml`` does that step ahead of time.
+
+Documents are split into train / held-out *before* packing (a seeded shuffle of whole documents, so
+held-out text is unseen); each split's documents, in that shuffled order, form one token stream cut into
+windows of L + 1 tokens: inputs are the first L, targets the last L. The windows are read from the
+memmap per batch (data/windows.py), never held in memory. Every sequence has exactly L targets, which is
+what makes the trainer's contract simple: the loss is summed over target tokens and ``count_items`` is L
+per sequence, so the gradient does not depend on how a batch is split over ranks. Held-out perplexity =
 exp(test_loss), test_loss being per token.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -23,19 +27,30 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import Task, register, split_indices
+from ..data import CorpusSpec, TokenWindows, open_corpus
+from ..data.sources import BUILTIN_CORPORA, describe_inputs, register_builtin
+from .base import Batch, Task, register, split_indices
 from .common import freeze_parameters, subset_indices
-
-TEXT_SUFFIXES = (".txt", ".jsonl")
 
 
 class CausalLMTask(Task):
+    """Train and held-out windows read from the token cache; ``splits`` stays empty (nothing in memory)."""
+
     name = "causal-lm"
 
-    def __init__(self, splits: Dict[str, Dict[str, Tensor]], vocab_size: int, seq_len: int, tokenizer_path: str):
-        super().__init__(splits, vocab_size)
+    def __init__(self, windows: Dict[str, TokenWindows], vocab_size: int, seq_len: int, tokenizer_path: str):
+        super().__init__({}, vocab_size)
+        self.windows = windows
         self.seq_len = seq_len
         self.tokenizer_path = tokenizer_path
+
+    def size(self, split: str) -> int:
+        return len(self.windows[split])
+
+    def batch(self, split: str, indices: Tensor) -> Batch:
+        """The windows ``indices`` of a split, read from the memmap: inputs the first L, targets the last L."""
+        tokens_BW = torch.from_numpy(self.windows[split].read(indices.numpy()))
+        return Batch({"input_ids": tokens_BW[:, :-1].contiguous()}, tokens_BW[:, 1:].contiguous())
 
     def count_items(self, split: str, indices: Tensor) -> int:
         """Target tokens in these sequences (every packed sequence has exactly seq_len)."""
@@ -85,120 +100,91 @@ def build_hf_causal_lm(run_config, task: CausalLMTask):
 
 
 # -- text in -------------------------------------------------------------------------------------------
-def text_files(path: Path, field: str) -> List[Path]:
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in TEXT_SUFFIXES and p.is_file())
-        if not files:
-            raise ValueError(f"{field} ({str(path)!r}) is a directory without {' or '.join(TEXT_SUFFIXES)} files")
-        return files
-    if not path.is_file():
-        raise ValueError(f"{field} ({str(path)!r}) does not exist")
-    if path.suffix not in TEXT_SUFFIXES:
-        raise ValueError(f"{field} ({str(path)!r}) must be a {' or '.join(TEXT_SUFFIXES)} file or a directory of them")
-    return [path]
-
-
-def read_documents(path: Path) -> List[str]:
-    """The documents of one file: JSONL objects' 'text', or non-empty lines of plain text."""
-    docs = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            if path.suffix == ".txt":
-                docs.append(line.strip())
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number}: invalid JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise ValueError(f"{path}:{number}: expected an object with a string 'text'")
-            docs.append(record["text"])
-    return docs
-
-
 def rotten_tomatoes_snippets() -> List[str]:
     from .text import load_rotten_tomatoes
 
     return load_rotten_tomatoes()[0]
 
 
-CORPORA = {"rotten-tomatoes": rotten_tomatoes_snippets}
+def rotten_tomatoes_file() -> Path:
+    from .assets import rotten_tomatoes_path
+
+    return rotten_tomatoes_path()
 
 
-def load_documents(path_text: str, field: str, num_samples: int, seed: int) -> List[str]:
-    if not path_text:
+register_builtin("rotten-tomatoes", rotten_tomatoes_snippets, rotten_tomatoes_file)
+
+
+def corpus_spec(task_config, path: str, field: str) -> CorpusSpec:
+    return CorpusSpec(
+        path=path,
+        tokenizer=task_config.tokenizer,
+        max_len=task_config.max_len,
+        text_field=task_config.text_field,
+        cache_dir=task_config.cache_dir,
+        num_proc=task_config.prepare_workers,
+        field=field,
+    )
+
+
+def checked(windows: TokenWindows, seq_len: int, where: str) -> TokenWindows:
+    if len(windows) == 0:
         raise ValueError(
-            f"{field} ('') must name a .txt / .jsonl file, a directory of them or a built-in corpus "
-            f"({', '.join(CORPORA)}) for task 'causal-lm'"
+            f"{where}: {windows.num_tokens} tokens make no sequence of task.max_len + 1 ({seq_len + 1}) tokens"
         )
-    if path_text in CORPORA:
-        docs = CORPORA[path_text]()
+    return windows
+
+
+def split_windows(task_config) -> Tuple[Dict[str, TokenWindows], int]:
+    """({'train': ..., 'test': ...}, vocabulary size). The documents used are a seeded subset
+    (task.num_samples), split by whole documents unless task.test_path names a held-out corpus."""
+    t, seq_len = task_config, task_config.max_len
+    corpus = open_corpus(corpus_spec(t, t.path, "task.path"))
+    keep_D = subset_indices(corpus.num_docs, t.num_samples, t.seed).numpy()
+    if t.test_path:
+        held_out = open_corpus(corpus_spec(t, t.test_path, "task.test_path"))
+        test_D = subset_indices(held_out.num_docs, t.num_samples, t.seed).numpy()
+        train, test = corpus.windows(keep_D, seq_len), held_out.windows(test_D, seq_len)
     else:
-        docs = [d for p in text_files(Path(path_text).expanduser(), field) for d in read_documents(p)]
-    if not docs:
-        raise ValueError(f"{field} ({path_text!r}) holds no text")
-    keep = subset_indices(len(docs), num_samples, seed).tolist()
-    return [docs[i] for i in keep]
-
-
-def pack(docs: List[str], tokenizer, seq_len: int, where: str) -> Dict[str, Tensor]:
-    """Documents -> {'input_ids': (N, L), 'targets': (N, L)}: one token stream cut into L + 1 windows."""
-    eos = tokenizer.eos_token_id
-    stream: List[int] = []
-    for ids in tokenizer(docs, add_special_tokens=False)["input_ids"]:
-        stream += ids + ([eos] if eos is not None else [])
-    num_seq = len(stream) // (seq_len + 1)
-    if num_seq == 0:
-        raise ValueError(f"{where}: {len(stream)} tokens make no sequence of task.max_len + 1 ({seq_len + 1}) tokens")
-    windows_NL1 = torch.tensor(stream[: num_seq * (seq_len + 1)], dtype=torch.long).view(num_seq, seq_len + 1)
-    return {"input_ids": windows_NL1[:, :-1].contiguous(), "targets": windows_NL1[:, 1:].contiguous()}
+        if len(keep_D) < 2:
+            raise ValueError(f"task.path ({t.path!r}) has {len(keep_D)} document; a held-out split needs >= 2")
+        train_idx, test_idx = split_indices(len(keep_D), t.test_fraction, t.seed)
+        train = corpus.windows(keep_D[train_idx.numpy()], seq_len)
+        test = corpus.windows(keep_D[test_idx.numpy()], seq_len)
+    windows = {
+        "train": checked(train, seq_len, "task.path (train split)"),
+        "test": checked(test, seq_len, "held-out split"),
+    }
+    return windows, corpus.vocab_size
 
 
 def build_causal_lm(task_config) -> CausalLMTask:
-    from ..models.hf.loading import load_tokenizer
-
     if not task_config.tokenizer:
         raise ValueError(
-            "task.tokenizer ('') must name the model's tokenizer (usually the same path as model.path) "
-            "for task 'causal-lm'"
+            "task.tokenizer ('') must name the model's tokenizer for task 'causal-lm' "
+            "(load_config fills it in from model.path)"
         )
-    tokenizer = load_tokenizer(task_config.tokenizer, "task.tokenizer")
-    docs = load_documents(task_config.path, "task.path", task_config.num_samples, task_config.seed)
-    if task_config.test_path:
-        test_docs = load_documents(task_config.test_path, "task.test_path", task_config.num_samples, task_config.seed)
-    else:
-        if len(docs) < 2:
-            raise ValueError(f"task.path ({task_config.path!r}) has {len(docs)} document; a held-out split needs >= 2")
-        train_idx, test_idx = split_indices(len(docs), task_config.test_fraction, task_config.seed)
-        docs, test_docs = [docs[i] for i in train_idx.tolist()], [docs[i] for i in test_idx.tolist()]
-    splits = {
-        "train": pack(docs, tokenizer, task_config.max_len, "task.path (train split)"),
-        "test": pack(test_docs, tokenizer, task_config.max_len, "held-out split"),
-    }
-    return CausalLMTask(splits, len(tokenizer), task_config.max_len, task_config.tokenizer)
+    windows, vocab_size = split_windows(task_config)
+    return CausalLMTask(windows, vocab_size, task_config.max_len, task_config.tokenizer)
 
 
 def validate(run_config) -> None:
-    """What can be checked without loading anything: an HF model and a tokenizer are named, and named
-    filesystem paths exist (their content is checked when the task and the model are built)."""
+    """What can be checked without loading anything: an HF model is named, and named filesystem paths
+    exist (their content is checked when the task and the model are built). An empty task.tokenizer
+    becomes model.path here: the task is built from the task section alone, before the model."""
     m, t = run_config.model, run_config.task
     if m.source != "hf":
         raise ValueError(f"task 'causal-lm' needs model.source = 'hf' (got {m.source!r}) and model.path")
     if not t.tokenizer:
-        raise ValueError(
-            "task.tokenizer ('') must name the model's tokenizer (usually the same path as model.path) "
-            "for task 'causal-lm'"
-        )
+        t.tokenizer = m.path
     for option, value in (("model.path", m.path), ("task.tokenizer", t.tokenizer)):
         if not value.startswith("package:") and not Path(value).expanduser().exists():
             raise ValueError(f"{option} ({value!r}) does not exist")
     if not t.path:
-        raise ValueError(
-            f"task.path ('') must name a .txt / .jsonl file, a directory of them or a built-in corpus "
-            f"({', '.join(CORPORA)}) for task 'causal-lm'"
-        )
+        raise ValueError(f"task.path ('') must name {describe_inputs()} for task 'causal-lm'")
+    for option, value in (("task.path", t.path), ("task.test_path", t.test_path)):
+        if value and value not in BUILTIN_CORPORA and not Path(value).expanduser().exists():
+            raise ValueError(f"{option} ({value!r}) does not exist")
 
 
 @register(
@@ -210,6 +196,9 @@ def validate(run_config) -> None:
         "task.test_fraction",
         "task.max_len",
         "task.tokenizer",
+        "task.text_field",
+        "task.cache_dir",
+        "task.prepare_workers",
         "model.source",
         "model.path",
         "model.freeze",

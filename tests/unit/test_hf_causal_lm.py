@@ -14,7 +14,7 @@ from hf_tiny import WORDS, corpus_lines, hf_model_settings, save_llama, save_tok
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.tasks import build_task  # noqa: E402
-from dynmoe_dist.tasks.causal_lm import CausalLMTask, pack  # noqa: E402
+from dynmoe_dist.tasks.causal_lm import CausalLMTask  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -45,28 +45,46 @@ def config_for(model_dir, text_file, *extra):
     )
 
 
-def test_pack_hand_worked(model_dir):
+def test_windows_hand_worked(model_dir, tmp_path):
+    from dynmoe_dist.data import CorpusSpec, open_corpus
     from dynmoe_dist.models.hf.loading import load_tokenizer
 
     tok = load_tokenizer(str(model_dir))
     ids = {w: tok.convert_tokens_to_ids(w) for w in ("the", "cat", "dog", "<eos>")}
-    # stream: the cat <eos> dog <eos> the  -> L=2 windows of 3: [the cat <eos>] [dog <eos> the]
-    out = pack(["the cat", "dog", "the"], tok, 2, "test")
-    want_in = [[ids["the"], ids["cat"]], [ids["dog"], ids["<eos>"]]]
-    want_tg = [[ids["cat"], ids["<eos>"]], [ids["<eos>"], ids["the"]]]
-    assert out["input_ids"].tolist() == want_in and out["targets"].tolist() == want_tg
-    with pytest.raises(ValueError, match=r"test: 2 tokens make no sequence of task.max_len \+ 1 \(3\)"):
-        pack(["the"], tok, 2, "test")
+    (tmp_path / "three.txt").write_text("the cat\ndog\n\nthe\n")
+    corpus = open_corpus(CorpusSpec(str(tmp_path / "three.txt"), str(model_dir), 2))
+    # stream: the cat <eos> dog <eos> the <eos> -> L=2 windows of 3: [the cat <eos>] [dog <eos> the]
+    assert corpus.num_docs == 3 and corpus.tokens.tolist() == [
+        ids[w] for w in "the cat <eos> dog <eos> the <eos>".split()
+    ]
+    windows = corpus.windows(torch.arange(3).numpy(), 2)
+    assert len(windows) == 2
+    assert windows.read([1, 0]).tolist() == [
+        [ids["dog"], ids["<eos>"], ids["the"]],
+        [ids["the"], ids["cat"], ids["<eos>"]],
+    ]
+    # documents in another order (a shuffled split): 'dog' 'the' 'the cat' -> [dog <eos> the] [<eos> the cat]
+    other = corpus.windows([1, 2, 0], 2)
+    assert other.read([1]).tolist() == [[ids["<eos>"], ids["the"], ids["cat"]]]
+    with pytest.raises(IndexError, match=r"window index out of range \[0, 2\)"):
+        windows.read([2])
+
+
+def test_too_little_text_for_one_window(model_dir, tmp_path):
+    (tmp_path / "short.txt").write_text("the\ncat\n")
+    with pytest.raises(ValueError, match=r"task.path \(train split\): 2 tokens make no sequence of task.max_len \+ 1"):
+        build_task(config_for(model_dir, tmp_path / "short.txt").task)
 
 
 def test_task_splits_held_out_documents(model_dir, text_file):
     task = build_task(config_for(model_dir, text_file).task)
     assert isinstance(task, CausalLMTask) and task.num_classes == len(WORDS) + 2
+    assert task.splits == {}  # nothing in memory: windows are read from the token file per batch
     for split in ("train", "test"):
-        s = task.splits[split]
-        assert s["input_ids"].shape == s["targets"].shape and s["input_ids"].shape[1] == 8
+        s = task.batch(split, torch.arange(task.size(split)))
+        assert s.inputs["input_ids"].shape == s.targets.shape and s.targets.shape[1] == 8
         # targets are the inputs shifted by one token
-        assert torch.equal(s["input_ids"][:, 1:], s["targets"][:, :-1])
+        assert torch.equal(s.inputs["input_ids"][:, 1:], s.targets[:, :-1])
     assert task.size("test") >= 1 and task.size("train") > task.size("test")
     assert task.count_items("train", torch.arange(5)) == 5 * 8
 
@@ -79,7 +97,7 @@ def test_jsonl_and_directory_input(model_dir, tmp_path):
     one = build_task(config_for(model_dir, tmp_path / "a.jsonl").task)
     assert task.size("train") + task.size("test") > one.size("train") + one.size("test")
     (tmp_path / "bad.jsonl").write_text('{"txt": "x"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: expected an object with a string 'text'"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: no key 'text' \(task.text_field\); keys: \['txt'\]"):
         build_task(config_for(model_dir, tmp_path / "bad.jsonl").task)
 
 
@@ -208,8 +226,8 @@ def test_load_config_checks_what_it_can_without_loading(model_dir, text_file, tm
         config_for(model_dir, text_file, f"model.path='{tmp_path / 'nowhere'}'")
     with pytest.raises(ValueError, match=r"task 'causal-lm' needs model.source = 'hf' \(got 'builtin'\)"):
         config_for(model_dir, text_file, "model.source='builtin'")
-    with pytest.raises(ValueError, match=r"task.tokenizer \(''\) must name the model's tokenizer"):
-        config_for(model_dir, text_file, "task.tokenizer=''")
+    # no task.tokenizer: the model's own
+    assert config_for(model_dir, text_file, "task.tokenizer=''").task.tokenizer == str(model_dir)
 
 
 def test_options_the_run_ignores_are_named():

@@ -2,9 +2,10 @@
 
 kernels -> moe -> models -> planning -> parallel -> train -> cluster -> launcher: a module may import
 its own layer and the layers before it, never one after it. The modules DESIGN does not list sit where
-their imports put them: ``tasks`` and ``config`` between planning and parallel (they build models and
-read the planner's options), ``coordination`` between parallel and train (the trainer calls it), and
-``bench`` / ``experiments`` between train and cluster (they drive the trainer).
+their imports put them: ``data`` (token files, read by tasks) then ``tasks`` and ``config`` between
+planning and parallel (they build models and read the planner's options), ``coordination`` between
+parallel and train (the trainer calls it), and ``bench`` / ``experiments`` between train and cluster
+(they drive the trainer).
 """
 
 import ast
@@ -17,6 +18,7 @@ ORDER = [
     "moe",
     "models",
     "planning",
+    "data",
     "tasks",
     "config",
     "parallel",
@@ -30,6 +32,8 @@ ORDER = [
     "launcher",
 ]
 LAYER_OF_FOLDER = {"kernels": "kernels", "cluster": "cluster", "launcher": "launcher"}
+# Entry points that live in an early package so that `python -m` finds them there, but read run files.
+LAYER_OF_MODULE = {"dynmoe_dist.data.__main__": "train"}
 
 
 def _module_name(path: Path) -> str:
@@ -70,6 +74,8 @@ def _all_files():
 
 def layer_of(module: str):
     """The design layer of a dynmoe_dist module (None: the package root, or outside the project)."""
+    if module in LAYER_OF_MODULE:
+        return LAYER_OF_MODULE[module]
     parts = module.split(".")
     if parts[0] in LAYER_OF_FOLDER:
         return LAYER_OF_FOLDER[parts[0]]

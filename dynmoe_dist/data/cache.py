@@ -1,0 +1,181 @@
+"""The token cache: one directory per (corpus contents, tokenizer, max_len, text field).
+
+An entry CACHE_DIR/<key>/ holds
+  tokens.bin   the corpus' token stream, uint32, documents in file order, each followed by EOS when the
+               tokenizer has one (memory-mapped by every rank, never read whole);
+  docs.npy     int64 document offsets into tokens.bin (D + 1 of them: document d is [off[d], off[d+1]));
+  index.json   what the entry was made from (the key's inputs), counts, sizes and xxh3 checksums.
+It is built in a temporary directory next to it and renamed into place, so an entry either exists
+whole or not at all; a lock file makes concurrent starts (every rank of a job) build it once.
+
+Before an entry is used it is checked: index.json readable and of this format; made from the same
+inputs (another tokenizer's entry is named as such); tokens.bin of exactly the size the index says
+(truncation); docs.npy and the last MiB of tokens.bin matching their checksums. ``full=True`` (the
+``prepare`` command) also checks the whole of tokens.bin. A failed check rebuilds the entry.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Dict, Iterator, Optional
+
+import numpy as np
+
+FORMAT = 1
+TOKEN_DTYPE = np.dtype(np.uint32)
+TAIL_BYTES = 1 << 20
+# How long a start waits for another process that is building the same entry. flock is released when
+# its holder dies, so this bounds only a build that is alive and slow.
+WAIT_S = float(os.environ.get("DYNMOE_PREPARE_WAIT_S", 6 * 3600))
+
+
+def say(message: str) -> None:
+    """One line on stderr, from rank 0 only (every rank opens the same cache)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"dynmoe_dist.data: {message}", file=sys.stderr, flush=True)
+
+
+def default_cache_dir() -> Path:
+    """$DYNMOE_TOKEN_CACHE, else tokens/ in the data directory (tasks/assets.py's: $DYNMOE_DATA_DIR, else
+    ~/.cache/dynmoe_dist)."""
+    override = os.environ.get("DYNMOE_TOKEN_CACHE", "").strip()
+    if override:
+        return Path(override).expanduser()
+    data_dir = os.environ.get("DYNMOE_DATA_DIR", "").strip()
+    return (Path(data_dir).expanduser() if data_dir else Path.home() / ".cache" / "dynmoe_dist") / "tokens"
+
+
+def xxh3_of(path: Path, start: int = 0, length: Optional[int] = None) -> str:
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        f.seek(start)
+        remaining = length
+        while remaining is None or remaining > 0:
+            chunk = f.read(1 << 24 if remaining is None else min(1 << 24, remaining))
+            if not chunk:
+                break
+            digest.update(chunk)
+            remaining = None if remaining is None else remaining - len(chunk)
+    return digest.hexdigest()
+
+
+def tail_range(num_bytes: int) -> tuple:
+    return max(0, num_bytes - TAIL_BYTES), min(num_bytes, TAIL_BYTES)
+
+
+def read_index(entry: Path) -> Dict[str, Any]:
+    return json.loads((entry / "index.json").read_text())
+
+
+def entry_problem(entry: Path, inputs: Dict[str, Any], full: bool = False) -> Optional[str]:
+    """Why this entry cannot be used for these inputs (None: it can); 'missing' when there is none."""
+    if not (entry / "index.json").exists():
+        return "missing"
+    try:
+        index = read_index(entry)
+    except (OSError, ValueError) as err:
+        return f"index.json is unreadable ({err})"
+    if index.get("format") != FORMAT:
+        return f"index.json has format {index.get('format')!r}, not {FORMAT}"
+    made_from = index.get("inputs", {})
+    if made_from.get("tokenizer") != inputs["tokenizer"]:
+        return (
+            f"it was made with another tokenizer (fingerprint {made_from.get('tokenizer')!r}, "
+            f"task.tokenizer's is {inputs['tokenizer']!r})"
+        )
+    if made_from != inputs:
+        changed = sorted(k for k in set(made_from) | set(inputs) if made_from.get(k) != inputs.get(k))
+        return f"it was made from other inputs ({', '.join(changed)} differ)"
+    return file_problem(entry, index, full)
+
+
+def file_problem(entry: Path, index: Dict[str, Any], full: bool) -> Optional[str]:
+    tokens = entry / "tokens.bin"
+    want = int(index["num_tokens"]) * TOKEN_DTYPE.itemsize
+    size = tokens.stat().st_size if tokens.exists() else -1
+    if size != want:
+        return f"tokens.bin is truncated or damaged ({size} bytes, index.json says {want})"
+    if not (entry / "docs.npy").exists() or xxh3_of(entry / "docs.npy") != index["docs_xxh3"]:
+        return "docs.npy does not match its checksum"
+    if xxh3_of(tokens, *tail_range(size)) != index["tail_xxh3"]:
+        return "the end of tokens.bin does not match its checksum"
+    if full and xxh3_of(tokens) != index["tokens_xxh3"]:
+        return "tokens.bin does not match its checksum"
+    return None
+
+
+@contextmanager
+def build_lock(lock_file: Path, timeout_s: float = WAIT_S) -> Iterator[None]:
+    """An exclusive flock on lock_file, waited for at most timeout_s (then a clear error)."""
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "w") as f:
+        deadline, told = time.monotonic() + timeout_s, False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"waited {timeout_s:.0f} s for another process building the token cache "
+                        f"(lock {lock_file}); run `python -m dynmoe_dist.data prepare` before training"
+                    ) from None
+                if not told:
+                    say(f"waiting for another process that is building this token cache ({lock_file})")
+                    told = True
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def install(built: Path, entry: Path) -> None:
+    """Move a finished build into place, replacing a damaged entry (under the build lock)."""
+    if entry.exists():
+        trash = entry.with_name(f".trash-{entry.name}-{os.getpid()}")
+        os.replace(entry, trash)
+        os.replace(built, entry)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(built, entry)
+
+
+class TokenCorpus:
+    """A checked cache entry, memory-mapped: the token stream and where each document starts."""
+
+    def __init__(self, entry: Path, reused: bool = True):
+        self.entry = entry
+        self.reused = reused
+        """False when this open built the entry."""
+        self.index = read_index(entry)
+        num_tokens = int(self.index["num_tokens"])
+        # np.memmap refuses a zero-length map; an entry always holds tokens (prepare refuses an empty corpus)
+        self.tokens = np.memmap(entry / "tokens.bin", dtype=TOKEN_DTYPE, mode="r", shape=(num_tokens,))
+        self.doc_offsets = np.load(entry / "docs.npy", mmap_mode="r")
+
+    @property
+    def num_docs(self) -> int:
+        return int(self.index["num_docs"])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.index["num_tokens"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.index["vocab_size"])
+
+    def windows(self, doc_ids_D, seq_len: int):
+        from .windows import TokenWindows
+
+        return TokenWindows(self.tokens, self.doc_offsets, doc_ids_D, seq_len)
