@@ -84,7 +84,6 @@ def settings(model_dir, train_file, test_file, world):
         f"task.max_len={MAX_LEN}",
         "model.source='hf'",
         f"model.path='{model_dir}'",
-        "model.num_layers=3",
         "model.moe_layers=[1, 2]",
         "model.freeze=['model.embed_tokens', 'model.layers.0']",
         *ADAPTIVE,
