@@ -38,7 +38,7 @@ quickstart: setup
 
 # lm-evaluation-harness on an exported model (held-out Rotten Tomatoes perplexity + sentiment multiple
 # choice, local task files; docs/hf.md). EVAL_DIR: `python -m dynmoe_dist.export CHECKPOINT --out DIR`.
-EVAL_DIR ?= runs/smollm2_dynmoe/export
+EVAL_DIR ?= runs/smollm2_export
 EVAL_ARGS ?=
 eval: setup
 	HF_DATASETS_OFFLINE=1 $(PY) -m dynmoe_dist.experiments lm-eval $(EVAL_DIR) --out $(EVAL_DIR)/lm_eval.json $(EVAL_ARGS)

