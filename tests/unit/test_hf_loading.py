@@ -84,3 +84,15 @@ def test_a_bert_tokenizer_next_to_a_qwen2_model_stays_wordpiece(tmp_path):
     assert type(tokenizer).__name__ == "BertTokenizer" and len(tokenizer) == 30522
     assert tokenizer.eos_token_id is None
     assert tokenizer("The cat sat", add_special_tokens=False)["input_ids"] == [1996, 4937, 2938]
+
+
+def test_num_blocks_reads_the_config_without_weights(tmp_path):
+    import transformers as tf
+
+    from dynmoe_dist.models.hf.loading import num_blocks
+
+    tf.GPT2Config(n_layer=5).save_pretrained(tmp_path / "gpt2")  # GPT-2 keeps it as n_layer; no weights saved
+    tf.LlamaConfig(num_hidden_layers=7).save_pretrained(tmp_path / "llama")
+    assert num_blocks(str(tmp_path / "gpt2")) == 5 and num_blocks(str(tmp_path / "llama")) == 7
+    with pytest.raises(ValueError, match=r"model.path \('.*nowhere'\) does not exist"):
+        num_blocks(str(tmp_path / "nowhere"))
