@@ -124,7 +124,27 @@ def model_args(model: str) -> str:
 
     directory, gguf_file = resolve(model, "DIR")  # ValueError naming DIR for a path that is neither
     args = f"pretrained={directory},trust_remote_code=True,dtype=float32"
-    return args + (f",gguf_file={gguf_file}" if gguf_file else "")
+    if gguf_file:
+        return args + f",gguf_file={gguf_file}"  # a GGUF tokenizer has its BOS / EOS
+    prefix = start_token(directory, model)
+    return args + (f",prefix_token_id={prefix}" if prefix is not None else "")
+
+
+def start_token(directory: Path, model: str) -> Optional[int]:
+    """None when lm-eval finds its own document-start token (BOS, else EOS); else the tokenizer's [CLS]:
+    a BERT WordPiece tokenizer (all-MiniLM-L6-v2's) has neither, and lm-eval's rolling log-likelihood
+    needs a token to predict a document's first token from."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=True, local_files_only=True)
+    if tokenizer.bos_token_id is not None or tokenizer.eos_token_id is not None:
+        return None
+    if tokenizer.cls_token_id is None:
+        raise ValueError(
+            f"DIR ({model!r}): its tokenizer has no BOS, EOS or CLS token, and lm-eval's perplexity needs "
+            "one to start a document with"
+        )
+    return int(tokenizer.cls_token_id)
 
 
 def evaluate(model: str, tasks_dir: Path, limit: Optional[int], batch_size: int) -> Dict[str, Any]:

@@ -111,3 +111,21 @@ def test_bad_input_is_one_line_naming_the_option(tmp_path, capsys):
     with pytest.raises(SystemExit):
         lmeval.main([str(tmp_path), "--limit", "0"])
     assert "--limit (0) must be >= 1" in capsys.readouterr().err
+
+
+def test_a_tokenizer_without_bos_or_eos_starts_documents_with_cls(tmp_path):
+    """The BERT WordPiece tokenizer next to a user's model has no BOS and no EOS: lm-eval gets [CLS] as
+    the token its rolling log-likelihood starts from; a tokenizer that has an EOS keeps lm-eval's choice."""
+    import shutil
+
+    from hf_tiny import save_tokenizer
+
+    from dynmoe_dist.models.hf.minilm import minilm_dir
+
+    bert, word_level = tmp_path / "bert", tmp_path / "word_level"
+    bert.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(minilm_dir() / name, bert / name)
+    save_tokenizer(word_level)  # has <eos>
+    assert lmeval.start_token(bert, str(bert)) == 101  # [CLS] of the uncased BERT vocabulary
+    assert lmeval.start_token(word_level, str(word_level)) is None
