@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup lint test test-slow quickstart bench clean gpu-check scale mutation
+.PHONY: setup lint test test-slow quickstart bench clean gpu-check scale mutation eval
 
 setup: $(STAMP)
 
@@ -35,6 +35,13 @@ test-slow: setup
 # The main job: MiniLM + DynMoE finetune on 2 simulated CPU ranks (gloo), expert parallel.
 quickstart: setup
 	sh launcher/loopback.sh env PYTHON=$(PY) sh launcher/torchrun.sh 2 --config launcher/configs/quickstart.toml
+
+# lm-evaluation-harness on an exported model (held-out Rotten Tomatoes perplexity + sentiment multiple
+# choice, local task files; docs/hf.md). EVAL_DIR: `python -m dynmoe_dist.export CHECKPOINT --out DIR`.
+EVAL_DIR ?= runs/smollm2_export
+EVAL_ARGS ?=
+eval: setup
+	HF_DATASETS_OFFLINE=1 $(PY) -m dynmoe_dist.experiments lm-eval $(EVAL_DIR) --out $(EVAL_DIR)/lm_eval.json $(EVAL_ARGS)
 
 # Mutation testing of the pure packages moe/ and planning/ against the unit tests that exercise them
 # (selection and settings: [tool.mutmut] in pyproject.toml). 15 to 30 minutes on 2 shared cores. mutmut 3 keeps

@@ -25,6 +25,7 @@ PRECISIONS = ("float32", "float64", "bf16")
 SHARDINGS = ("replicate", "fsdp")
 ACTIVATION_CHECKPOINTING = ("none", "block")
 MODEL_SOURCES = ("builtin", "hf")
+BUILTIN_NUM_LAYERS = 2  # model.num_layers when not set, for the built-in models
 
 
 @dataclass
@@ -67,8 +68,10 @@ class ModelConfig:
     """Model dimension (ignored by minilm-sentiment, which takes the pre-trained model's)."""
     num_heads: int = 4
     """Attention heads."""
-    num_layers: int = 2
-    """Transformer blocks (minilm-sentiment: how many of the pre-trained 6 layers to keep)."""
+    num_layers: int = 0
+    """Transformer blocks; 0 = the default: 2 for the built-in models (minilm-sentiment: how many of the
+    pre-trained 6 layers to keep), the model's own block count for model.source = 'hf' (read from its
+    config.json or GGUF header; a value set here must equal it)."""
     ffn_dim: int = 128
     """Dense FFN / expert hidden dimension (ignored by minilm-sentiment)."""
     moe_layers: List[int] = field(default_factory=lambda: [1])
@@ -81,7 +84,7 @@ class ModelConfig:
     """Parameter-name prefixes to freeze (e.g. 'embeddings', 'layers.0')."""
     source: str = "builtin"
     """'builtin' (the task's own model) or 'hf' (a transformers model loaded from model.path, its dense MLPs
-    in model.moe_layers upcycled; model.num_layers must then equal its number of blocks)."""
+    in model.moe_layers upcycled; model.num_layers is then read from it)."""
     path: str = ""
     """source='hf': a local directory (config.json + safetensors) or a .gguf file; nothing is downloaded."""
 
@@ -91,12 +94,11 @@ class ModelConfig:
             self.source != "hf" or bool(self.path),
             "model.path ('') must name a model directory or .gguf file when model.source is 'hf'",
         )
-        _require(self.num_layers >= 1, f"model.num_layers ({self.num_layers}) must be >= 1")
+        _require(self.num_layers >= 0, f"model.num_layers ({self.num_layers}) must be >= 1 (0 = the default)")
+        if self.num_layers == 0 and self.source == "builtin":
+            self.num_layers = BUILTIN_NUM_LAYERS
         _require(0.0 <= self.dropout < 1.0, f"model.dropout ({self.dropout}) must be in [0, 1)")
-        for i in self.moe_layers:
-            _require(
-                0 <= i < self.num_layers, f"model.moe_layers entry ({i}) outside [0, num_layers ({self.num_layers}))"
-            )
+        self.check_moe_layers()
         _require(
             len(set(self.moe_layers)) == len(self.moe_layers),
             f"model.moe_layers ({self.moe_layers}) lists a layer twice",
@@ -104,6 +106,14 @@ class ModelConfig:
         _require(self.patch_size >= 1, f"model.patch_size ({self.patch_size}) must be >= 1")
         for name in ("dim", "num_heads", "ffn_dim"):
             _require(getattr(self, name) >= 1, f"model.{name} ({getattr(self, name)}) must be >= 1")
+
+    def check_moe_layers(self) -> None:
+        """Entries in range; the upper bound waits while num_layers is 0 (an HF model's count, read later)."""
+        for i in self.moe_layers:
+            _require(
+                0 <= i and (self.num_layers == 0 or i < self.num_layers),
+                f"model.moe_layers entry ({i}) outside [0, num_layers ({self.num_layers}))",
+            )
 
 
 @dataclass
@@ -551,10 +561,29 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     check_world(config, world_size_from_env())
     check_resume(config.output)
     # Imported here: the tasks import torch and the models, which config.py must not need to load.
-    from .tasks import validate_run_config
+    from .tasks import task_spec, validate_run_config
 
     validate_run_config(config)
+    if "model.path" in (task_spec(config.task.name).reads or ()):
+        resolve_num_layers(config.model)
     return config
+
+
+def resolve_num_layers(model: ModelConfig) -> None:
+    """model.source = 'hf': num_layers from the model's own config when not set (0); a set value must agree.
+    Only the config is read (config.json, or the GGUF header), no weights."""
+    if model.source != "hf":
+        return
+    from .models.hf.loading import num_blocks  # imports torch: config.py must load without it
+
+    found = num_blocks(model.path, "model.path")
+    _require(
+        model.num_layers in (0, found),
+        f"model.num_layers ({model.num_layers}) != the {found} blocks of the model at model.path "
+        f"({model.path!r}); leave model.num_layers unset to use the model's own count",
+    )
+    model.num_layers = found
+    model.check_moe_layers()
 
 
 def options_help() -> str:

@@ -74,7 +74,7 @@ def hf_model_settings(model_dir, text_file):
         "task.max_len=8",
         "model.source='hf'",
         f"model.path='{model_dir}'",
-        f"model.num_layers={NUM_LAYERS}",
+        # model.num_layers is read from the model (NUM_LAYERS blocks)
         "model.moe_layers=[1, 2]",
     ]
 

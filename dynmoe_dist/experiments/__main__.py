@@ -4,6 +4,7 @@
     losses     per-loss router gradients, k over time and expert growth of each DynMoE loss set
     baseline   frozen-MiniLM + logistic regression on minilm-sentiment (one JSON line)
     drift      how far an upcycled run's experts moved from the pre-trained MLP and from one another
+    lm-eval    lm-evaluation-harness on an exported model: held-out perplexity and sentiment multiple choice
 
 `python -m dynmoe_dist.experiments SUBCOMMAND --help` lists a subcommand's options.
 """
@@ -40,7 +41,13 @@ def _drift(argv):
     main(argv, prog=f"{PROG} drift")
 
 
-SUBCOMMANDS = {"compare": _compare, "losses": _losses, "baseline": _baseline, "drift": _drift}
+def _lm_eval(argv):
+    from .lmeval import main
+
+    main(argv, prog=f"{PROG} lm-eval")
+
+
+SUBCOMMANDS = {"compare": _compare, "losses": _losses, "baseline": _baseline, "drift": _drift, "lm-eval": _lm_eval}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

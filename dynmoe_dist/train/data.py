@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 from torch import Tensor
@@ -27,6 +27,23 @@ def shard(indices: Tensor, rank: int, world_size: int) -> Tensor:
     sizes = shard_sizes(indices.numel(), world_size)
     start = sum(sizes[:rank])
     return indices[start : start + sizes[rank]]
+
+
+def eval_ranges(size: int, chunk: int, world_size: int) -> List[Tuple[int, int]]:
+    """[start, end) ranges of the held-out split, evaluated one after the other, each sharded over the
+    ranks: `chunk` samples each, except that a last range shorter than the world joins the one before
+    it. Every rank then gets at least one sample of every range: a transformers model cannot run on an
+    empty batch (its attention reshapes 0 elements), and a rank that skipped a forward would miss the
+    expert all-to-alls of the others. The loss is a sum, so the ranges do not change it."""
+    if size < world_size:
+        raise ValueError(
+            f"the held-out split ({size} samples) is smaller than the world size ({world_size}): some ranks "
+            "would get no samples (use more data, a larger task.test_fraction or fewer ranks)"
+        )
+    starts = list(range(0, size, chunk))
+    if len(starts) > 1 and size - starts[-1] < world_size:
+        starts.pop()
+    return [(start, nxt) for start, nxt in zip(starts, starts[1:] + [size])]
 
 
 @dataclass(frozen=True)

