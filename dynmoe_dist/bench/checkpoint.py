@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import shutil
 import tempfile
@@ -33,7 +32,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 import torch.nn.functional as F
 
-from .measure import MEMORY_PROCESS_ENV, machine_info, memory_supported, peak_rss_above_baseline_mb
+from .measure import MEMORY_PROCESS_ENV, emit_json, machine_info, memory_supported, peak_rss_above_baseline_mb
 
 MIB = 2**20
 TARGET_SHARE, TARGET_CONSTANT_MIB = 1.2, 64.0
@@ -265,10 +264,7 @@ def main(argv=None) -> None:
         "memory_method": MEMORY_METHOD,
         "machine": machine_info(1),
     }
-    text = json.dumps(result, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    emit_json(result, args.out)
 
 
 if __name__ == "__main__":

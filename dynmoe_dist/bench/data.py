@@ -32,7 +32,7 @@ from typing import Dict, List
 
 import numpy as np
 
-from .measure import machine_info
+from .measure import emit_json, machine_info
 
 TARGETS = {"startup_s": 5.0, "rss_growth": 0.10}
 VOCAB_SIZE = 4096
@@ -264,10 +264,7 @@ def main(argv=None) -> None:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
     result = {"benchmark": "data", "targets": TARGETS, "sizes": sizes, **summarise(sizes), "machine": machine_info(1)}
-    text = json.dumps(result, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    emit_json(result, args.out)
 
 
 if __name__ == "__main__":

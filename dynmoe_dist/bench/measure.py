@@ -133,3 +133,13 @@ def _cpu_model() -> str:
     except OSError:
         match = None
     return match.group(1).strip() if match else platform.processor()
+
+
+def emit_json(result: dict, out: Optional[str]) -> None:
+    """Print a benchmark's JSON and, with --out, also write it there (parent folders made first: a
+    missing runs/ must not lose a run that took minutes)."""
+    text = json.dumps(result, indent=1)
+    print(text, flush=True)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
