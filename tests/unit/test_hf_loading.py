@@ -96,3 +96,24 @@ def test_num_blocks_reads_the_config_without_weights(tmp_path):
     assert num_blocks(str(tmp_path / "gpt2")) == 5 and num_blocks(str(tmp_path / "llama")) == 7
     with pytest.raises(ValueError, match=r"model.path \('.*nowhere'\) does not exist"):
         num_blocks(str(tmp_path / "nowhere"))
+
+
+def test_num_blocks_does_not_import_transformers_for_a_plain_config(tmp_path):
+    """load_config asks on every rank before the first step; importing transformers there costs seconds
+    of every start (bench data's startup_s). A config without a plain count still goes to AutoConfig."""
+    import json
+    import subprocess
+    import sys
+
+    import transformers as tf
+
+    tf.Qwen2Config(num_hidden_layers=3).save_pretrained(tmp_path / "qwen2")
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text(json.dumps({"model_type": "llama"}))  # the class default
+    probe = (
+        "import sys; from dynmoe_dist.models.hf.loading import num_blocks; "
+        f"print(num_blocks({str(tmp_path / 'qwen2')!r}), 'transformers' in sys.modules, "
+        f"num_blocks({str(tmp_path / 'odd')!r}), 'transformers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["3", "False", str(tf.LlamaConfig().num_hidden_layers), "True"]

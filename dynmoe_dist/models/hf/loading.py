@@ -118,6 +118,21 @@ def _gguf_header(path: str, size: int, mtime_ns: int) -> Tuple[str, Optional[int
 BLOCK_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 
 
+def _block_count_in_json(config_file: Path) -> Optional[int]:
+    """The block count as config.json spells it, read as plain JSON: importing transformers for
+    AutoConfig costs seconds before the first step, and load_config asks on every rank. None when the
+    file does not name it plainly; AutoConfig (attribute maps, nested configs) then decides."""
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None
+    section = raw.get("text_config", raw)  # a multimodal config keeps the LM's apart
+    if not isinstance(section, dict):
+        return None
+    found = [section[key] for key in BLOCK_COUNT_KEYS if type(section.get(key)) is int]
+    return int(found[0]) if found else None
+
+
 def num_blocks(path: str, field: str = "model.path") -> int:
     """The model's number of transformer blocks, from its config.json or GGUF header (no weights read)."""
     directory, gguf_file = resolve(path, field)
@@ -125,6 +140,9 @@ def num_blocks(path: str, field: str = "model.path") -> int:
         arch, count = gguf_header(directory / gguf_file)
         if count is None:
             raise ValueError(f"{field} ({path!r}): the GGUF header has no {arch}.block_count; set model.num_layers")
+        return count
+    count = _block_count_in_json(directory / "config.json")
+    if count is not None:
         return count
     try:
         config = _transformers().AutoConfig.from_pretrained(str(directory), local_files_only=True)
