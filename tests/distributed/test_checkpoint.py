@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from tiny_runs import tiny_run_overrides
+from tiny_runs import tiny_run_overrides, tweaked_trainer
 
 from dynmoe_dist.parallel.simulate import run_simulated
 
@@ -29,20 +29,10 @@ def _config(out_dir, ep_size=0, resume=""):
     )
 
 
-def _tweaked_trainer(config):
-    from dynmoe_dist.train.loop import Trainer
-
-    trainer = Trainer(config)
-    with torch.no_grad():
-        trainer.moe_layers[0].router.threshold[1] = 10.0  # removed at the first event
-        trainer.moe_layers[1].router.threshold.fill_(0.35)  # unrouted tokens: experts are added
-    return trainer
-
-
 def full_run(out_dir):
     from dynmoe_dist.train.run import run
 
-    return run(_config(out_dir), trainer=_tweaked_trainer(_config(out_dir)))
+    return run(_config(out_dir), trainer=tweaked_trainer(_config(out_dir)))
 
 
 def partial_run(out_dir):
@@ -52,7 +42,7 @@ def partial_run(out_dir):
     from dynmoe_dist.train.checkpoint import CheckpointManager
     from dynmoe_dist.train.run import step_once
 
-    trainer = _tweaked_trainer(_config(out_dir))
+    trainer = tweaked_trainer(_config(out_dir))
     adaptive = AdaptiveController(trainer, CollectiveCoordinator(trainer.groups))
     for _ in range(SAVE_AT):
         step_once(trainer, adaptive)

@@ -14,7 +14,7 @@ import os
 
 import pytest
 import torch
-from tiny_runs import tiny_run_overrides
+from tiny_runs import tiny_run_overrides, tweaked_trainer
 
 from dynmoe_dist.parallel.simulate import SimulationError, run_simulated
 
@@ -38,16 +38,6 @@ def _config(out_dir, dense, ep_size, resume=""):
             "output.report=false",
         ],
     )
-
-
-def _tweaked_trainer(config):
-    from dynmoe_dist.train.loop import Trainer
-
-    trainer = Trainer(config)
-    with torch.no_grad():
-        trainer.moe_layers[0].router.threshold[1] = 10.0  # removed at the first event
-        trainer.moe_layers[1].router.threshold.fill_(0.35)  # unrouted tokens: experts are added
-    return trainer
 
 
 def train(out_dir, dense, ep_size, resume=""):
@@ -81,7 +71,7 @@ def train(out_dir, dense, ep_size, resume=""):
     checkpoint.save_dense, checkpoint.load_dense = spied("save", real[0]), spied("load", real[1])
     try:
         config = _config(out_dir, dense, ep_size, resume)
-        run(config, trainer=None if resume else _tweaked_trainer(config))
+        run(config, trainer=None if resume else tweaked_trainer(config))
     finally:
         DTensor.full_tensor = real_full
         checkpoint.save_dense, checkpoint.load_dense = real

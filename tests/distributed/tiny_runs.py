@@ -23,3 +23,17 @@ def tiny_run_overrides(ep_size, steps, *, period=6, expert_init="average"):
         f"adaptive.expert_init='{expert_init}'",
         "adaptive.replicate_factor=1.2",
     ]
+
+
+def tweaked_trainer(config):
+    """A Trainer whose first event both removes (layer 0's expert 1 never clears its threshold) and adds
+    experts (layer 1's high thresholds leave tokens unrouted): resumes are checked across both kinds."""
+    import torch
+
+    from dynmoe_dist.train.loop import Trainer
+
+    trainer = Trainer(config)
+    with torch.no_grad():
+        trainer.moe_layers[0].router.threshold[1] = 10.0  # removed at the first event
+        trainer.moe_layers[1].router.threshold.fill_(0.35)  # unrouted tokens: experts are added
+    return trainer
