@@ -128,3 +128,22 @@ def test_export_refuses_a_base_without_remote_classes():
     )
     with pytest.raises(ValueError, match=r"base model type \('bert'\) has no remote-code class .*llama, qwen2"):
         base_model_type(tf.BertForMaskedLM(config))
+
+
+def test_export_config_drops_the_gguf_base_quantization_config():
+    """A model loaded from a .gguf file keeps quantization_config (gguf_file, quant_method) in its config;
+    the export's weights are dequantised floats, and lm-eval's loader stopped on an export that carried it
+    ('Loading a GGUF checkpoint needs the file named as from_pretrained(..., gguf_file=...)')."""
+    import transformers as tf
+
+    from dynmoe_dist.models.hf.pretrained import exported_config
+
+    config = tf.LlamaConfig(
+        vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16
+    )
+    model = tf.LlamaForCausalLM(config)
+    model.config.quantization_config = {"quant_method": "gguf", "gguf_file": "base.gguf", "dequantize": False}
+    model.config._name_or_path = "/somewhere/base"
+    saved = exported_config(model, {"base_model_type": "llama"}).to_dict()
+    assert "quantization_config" not in saved and saved.get("_name_or_path", "") != "/somewhere/base"
+    assert saved["model_type"] == "dynmoe_llama" and saved["num_hidden_layers"] == 1

@@ -48,8 +48,20 @@ REMOTE_CLASSES = {
     "mistral": ("DynMoEMistralConfig", "DynMoEMistralForCausalLM"),
     "gpt2": ("DynMoEGPT2Config", "DynMoEGPT2LMHeadModel"),
 }
-# config.json keys that name the exported classes, not the base model's
-EXPORT_KEYS = ("model_type", "architectures", "auto_map", "transformers_version", "dynmoe")
+# Keys of the base config the export does not carry: ours replace the first five; the export's weights are
+# dense float tensors, so a GGUF base's quantization_config (gguf_file, quant_method) would make
+# from_pretrained (lm-eval's loader among others) ask for a .gguf file the directory does not have; and
+# _name_or_path is where the base came from, not the export.
+EXPORT_KEYS = (
+    "model_type",
+    "architectures",
+    "auto_map",
+    "transformers_version",
+    "dynmoe",
+    "quantization_config",
+    "_name_or_path",
+    "_model_name_or_path",
+)
 # Fixed per layer by the export (the shape fields come from the MLP, the count from the checkpoint).
 PER_LAYER_KEYS = ("dim", "ffn_dim", "num_experts", "max_experts", "expert_kind", "activation", "expert_bias")
 
