@@ -28,6 +28,7 @@ def test_bad_sizes_are_one_line_errors(capsys):
     assert parse(["--tiny"]).sizes == [0.001, 0.002] and parse(["--sizes-gb", "1,0.1"]).sizes == [0.1, 1.0]
 
 
+@pytest.mark.slow  # two torchrun starts and two prepares: ~2 min on 2 busy cores, as bench checkpoint's tiny run
 def test_tiny_run(tmp_path):
     out = tmp_path / "data.json"
     cmd = [sys.executable, "-m", "dynmoe_dist.bench", "data", "--tiny", "--out", str(out)]
