@@ -124,3 +124,20 @@ def changes(records):
         for r in records
         if r["kind"] == "event" and (r["removed"] or r["added"])
     ]
+
+
+def train_recorded(trainer, steps):
+    """Train `steps` steps with a collective coordinator -> (adaptive controller, losses, expert counts,
+    changes of the events), what the HF invariance tests compare across world sizes."""
+    from dynmoe_dist.coordination import CollectiveCoordinator
+    from dynmoe_dist.train.adaptive import AdaptiveController
+    from dynmoe_dist.train.run import step_once
+
+    adaptive = AdaptiveController(trainer, CollectiveCoordinator(trainer.groups))
+    losses, counts, events = [], [], []
+    for _ in range(steps):
+        record, new_events = step_once(trainer, adaptive)
+        losses.append(record["loss"])
+        counts.append(record["num_experts"])
+        events += changes(new_events)  # removals and additions (moves depend on the ep size)
+    return adaptive, losses, counts, events

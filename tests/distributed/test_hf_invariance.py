@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hf_tiny import STEPS, changes, hf_settings, write_tiny_run  # noqa: E402
+from hf_tiny import STEPS, hf_settings, train_recorded, write_tiny_run  # noqa: E402
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.parallel.simulate import run_simulated  # noqa: E402
@@ -24,23 +24,14 @@ def probe_ids():
 
 
 def hf_worker(model_dir, text_file, out_dir, world):
-    from dynmoe_dist.coordination import CollectiveCoordinator
-    from dynmoe_dist.train.adaptive import AdaptiveController
     from dynmoe_dist.train.checkpoint import CheckpointManager
     from dynmoe_dist.train.loop import Trainer
-    from dynmoe_dist.train.run import step_once
 
     config = load_config(
         None, hf_settings(model_dir, text_file) + [f"parallel.ep_size={world}", f"output.out_dir='{out_dir}'"]
     )
     trainer = Trainer(config)
-    adaptive = AdaptiveController(trainer, CollectiveCoordinator(trainer.groups))
-    losses, counts, events = [], [], []
-    for _ in range(STEPS):
-        record, new_events = step_once(trainer, adaptive)
-        losses.append(record["loss"])
-        counts.append(record["num_experts"])
-        events += changes(new_events)  # removals and additions (moves depend on the ep size)
+    adaptive, losses, counts, events = train_recorded(trainer, STEPS)
     checkpoint = CheckpointManager(trainer, adaptive).save()
     test_loss = trainer.evaluate()["test_loss"]
     trainer.model.eval()

@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hf_tiny import ADAPTIVE, WORDS, changes  # noqa: E402
+from hf_tiny import ADAPTIVE, WORDS, train_recorded  # noqa: E402
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.parallel.simulate import run_simulated  # noqa: E402
@@ -101,19 +101,10 @@ def settings(model_dir, train_file, test_file, world):
 
 
 def train_one(model_dir, train_file, test_file, world):
-    from dynmoe_dist.coordination import CollectiveCoordinator
-    from dynmoe_dist.train.adaptive import AdaptiveController
     from dynmoe_dist.train.loop import Trainer
-    from dynmoe_dist.train.run import step_once
 
     trainer = Trainer(load_config(None, settings(model_dir, train_file, test_file, world)))
-    adaptive = AdaptiveController(trainer, CollectiveCoordinator(trainer.groups))
-    losses, counts, events = [], [], []
-    for _ in range(STEPS):
-        record, new_events = step_once(trainer, adaptive)
-        losses.append(record["loss"])
-        counts.append(record["num_experts"])
-        events += changes(new_events)
+    _, losses, counts, events = train_recorded(trainer, STEPS)
     tokenizer = trainer.task.tokenizer_path
     return dict(
         losses=losses,
