@@ -172,6 +172,17 @@ def _line_of_record(file: Path, index: int) -> int:
     return seen + 1
 
 
+def json_object(line: str, where: str, expected: str = "a JSON object") -> dict:
+    """One JSON lines record, which must be an object; ``where`` ('file:line') prefixes every error."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected {expected}, got {type(record).__name__}")
+    return record
+
+
 def first_bad_json_line(file: Path, text_field: str) -> None:
     """Find why a JSON lines file did not load and raise with its line number (called on failure only:
     the file is read by ``datasets``; this pass exists to point at the line)."""
@@ -179,12 +190,7 @@ def first_bad_json_line(file: Path, text_field: str) -> None:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{file}:{number}: invalid JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{file}:{number}: expected a JSON object, got {type(record).__name__}")
+            record = json_object(line, f"{file}:{number}")
             if text_field not in record:
                 raise ValueError(f"{file}:{number}: no key {text_field!r} (task.text_field); keys: {sorted(record)}")
             if not isinstance(record[text_field], str):

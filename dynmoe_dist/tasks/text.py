@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import bz2
 import csv
-import json
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -21,6 +20,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from ..data.sources import json_object
 from . import assets
 from .base import Task, register
 from .common import class_ids, freeze_parameters, split_pool, subset_indices
@@ -132,12 +132,7 @@ def _sentiment(task_config) -> TextTask:
 
 def parse_jsonl_line(line: str, where: str) -> Tuple[str, object]:
     """One line -> (text, raw label); ``where`` ('file:line') prefixes every error."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
-    if not isinstance(record, dict):
-        raise ValueError(f'{where}: expected an object {{"text": ..., "label": ...}}, got {type(record).__name__}')
+    record = json_object(line, where, expected='an object {"text": ..., "label": ...}')
     for key in ("text", "label"):
         if key not in record:
             raise ValueError(f"{where}: missing key {key!r} (keys: {sorted(record)})")
