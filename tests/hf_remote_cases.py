@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
-from hf_tiny import save_tokenizer
+from hf_tiny import save_tokenizer, tiny_model
 
 from dynmoe_dist.hf import upcycle_hf
 from dynmoe_dist.models.hf.pretrained import dynmoe_section, save_exported
@@ -26,28 +26,9 @@ NUM_EXPERTS = 3
 THRESHOLDS = [0.05, 0.25, 0.45]  # top-any selects e where cos(x, W_e) > G_e: some tokens pick none
 
 
-def base_config(arch: str, vocab_size: int):
-    import transformers as tf
-
-    common = dict(vocab_size=vocab_size, max_position_embeddings=64, eos_token_id=1, bos_token_id=None)
-    if arch == "gpt2":
-        return tf.GPT2Config(
-            vocab_size=vocab_size, n_embd=16, n_layer=3, n_head=2, n_positions=64, eos_token_id=1, bos_token_id=None
-        )
-    sizes = dict(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1
-    )
-    cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig}[arch]
-    return cls(**common, **sizes)
-
-
 def base_model(arch: str, vocab_size: int, seed: int = 0):
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    config = base_config(arch, vocab_size)
-    cls = tf.GPT2LMHeadModel if arch == "gpt2" else tf.AutoModelForCausalLM.from_config(config).__class__
-    return cls(config).eval()
+    """The tiny model of the family; EOS is token 1 (the word-level tokenizer's), no BOS."""
+    return tiny_model(arch, vocab_size, seed, eos_token_id=1, bos_token_id=None).eval()
 
 
 def moe_model(arch: str, vocab_size: int, dtype: torch.dtype, eval_k0: str, seed: int = 0):

@@ -1,5 +1,9 @@
-"""A tiny LLaMA and a word-level tokenizer, built offline, for the Hugging Face tests (unit, distributed,
-integration, cluster), and the tiny adaptive run on them."""
+"""The one factory of tiny transformers models for the tests (built offline from configs, nothing downloaded),
+a word-level tokenizer, and the tiny adaptive run on them (unit, distributed, integration, cluster tests).
+
+``tiny_model(family)`` builds any family the tests use with the same small shapes (hidden 16, MLP 32,
+3 blocks, 2 heads, 1 key/value head); ``save_tiny(family, directory)`` writes it as save_pretrained does.
+"""
 
 import json
 import os
@@ -13,6 +17,71 @@ ROOT = Path(__file__).resolve().parents[1]
 
 WORDS = "the cat dog sat ran on a mat log red big small and then".split()
 NUM_LAYERS = 3
+HIDDEN, MLP = 16, 32
+NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+# The decoder families share one shape; the others spell their sizes their own way.
+DECODER = dict(
+    hidden_size=HIDDEN,
+    intermediate_size=MLP,
+    num_hidden_layers=NUM_LAYERS,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=64,
+)
+# family -> (config class, model class, config fields)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", DECODER),
+    "llama_bias": ("LlamaConfig", "LlamaForCausalLM", {**DECODER, "mlp_bias": True}),  # gate/up/down with biases
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", DECODER),
+    "mistral": ("MistralConfig", "MistralForCausalLM", DECODER),
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(n_embd=HIDDEN, n_inner=MLP, n_layer=NUM_LAYERS, n_head=2, n_positions=64)
+        | dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    ),
+    "bert": (
+        "BertConfig",
+        "BertForSequenceClassification",
+        dict(hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=NUM_LAYERS, num_attention_heads=2)
+        | dict(max_position_embeddings=64, num_labels=3, **NO_DROPOUT),
+    ),
+    "vit": (
+        "ViTConfig",
+        "ViTForImageClassification",
+        dict(image_size=8, patch_size=4, num_channels=3, hidden_size=HIDDEN, intermediate_size=MLP)
+        | dict(num_hidden_layers=NUM_LAYERS, num_attention_heads=2, num_labels=3, **NO_DROPOUT),
+    ),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=NUM_LAYERS, num_attention_heads=2),
+    ),
+}
+
+
+def tiny_config(family, vocab_size=64, **overrides):
+    """The family's transformers config at the tiny shapes; ``overrides`` win (vocab_size is not a ViT field)."""
+    import transformers as tf
+
+    config_class, _, fields = FAMILIES[family]
+    vocab = {} if family == "vit" else {"vocab_size": vocab_size}
+    return getattr(tf, config_class)(**{**fields, **vocab, **overrides})
+
+
+def tiny_model(family, vocab_size=64, seed=0, **overrides):
+    """A freshly initialised tiny model of the family (seeded), in training mode."""
+    import transformers as tf
+
+    config = tiny_config(family, vocab_size, **overrides)
+    torch.manual_seed(seed)
+    return getattr(tf, FAMILIES[family][1])(config)
+
+
+def save_tiny(family, directory, vocab_size=64, **overrides):
+    """Write the tiny model with save_pretrained (config.json + model.safetensors); returns the directory."""
+    tiny_model(family, vocab_size, **overrides).save_pretrained(directory)
+    return directory
 
 
 def corpus_lines(n=60, seed=0):
@@ -35,26 +104,20 @@ def save_tokenizer(directory):
 
 
 def save_llama(directory, vocab_size):
-    import transformers as tf
+    return save_tiny("llama", directory, vocab_size)
 
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    tf.LlamaForCausalLM(cfg).save_pretrained(directory)
+
+def save_tiny_with_tokenizer(family, directory):
+    """A model directory a user would have: the tiny model and the word-level tokenizer, vocabularies matching."""
+    save_tiny(family, directory, save_tokenizer(directory))
+    return directory
 
 
 def write_tiny_run(root):
     """The tiny LLaMA + tokenizer in root/model and its text in root/corpus.txt: (model dir, text file)."""
     root = Path(root)
     model_dir, text_file = root / "model", root / "corpus.txt"
-    save_llama(model_dir, save_tokenizer(model_dir))
+    save_tiny_with_tokenizer("llama", model_dir)
     text_file.write_text("\n".join(corpus_lines()) + "\n")
     return str(model_dir), str(text_file)
 

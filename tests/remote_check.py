@@ -88,7 +88,12 @@ def generations(directory, prompt_ids):
     for use_cache in (True, False):
         seen.clear()
         ids = model.generate(
-            torch.tensor(prompt_ids), max_new_tokens=8, do_sample=False, use_cache=use_cache, pad_token_id=1
+            torch.tensor(prompt_ids),
+            max_new_tokens=8,
+            min_new_tokens=8,
+            do_sample=False,
+            use_cache=use_cache,
+            pad_token_id=1,
         )
         out[f"cache_{use_cache}"] = {"tokens": ids.tolist(), "lengths": list(seen)}
     return out
@@ -98,8 +103,8 @@ def pipelined(directory, prompt):
     from transformers import pipeline
 
     generate = pipeline("text-generation", model=directory, trust_remote_code=True)
-    text = generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=1)[0]["generated_text"]
-    ids = generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=1, return_tensors=True)
+    text = generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=1)[0]["generated_text"]
+    ids = generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=1, return_tensors=True)
     return {"text": text, "ids": list(ids[0]["generated_token_ids"])}
 
 

@@ -17,7 +17,7 @@ through ``new_expert`` and ``expert_param_specs``, so migration, replication and
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.nn as nn
@@ -114,6 +114,28 @@ def expert_param_specs(config: MoEConfig) -> List[Tuple[str, torch.Size]]:
 
 def expert_param_shapes(config: MoEConfig) -> List[torch.Size]:
     return [shape for _, shape in expert_param_specs(config)]
+
+
+def expert_with(params: Sequence[Tensor], config: MoEConfig) -> Expert:
+    """An expert holding copies of ``params`` (in ``parameters()`` order), on their device and dtype."""
+    module = new_expert(config).to(device=params[0].device, dtype=params[0].dtype)
+    with torch.no_grad():
+        for p, value in zip(module.parameters(), params):
+            p.copy_(value)
+    return module
+
+
+def expert_from_named(named: Mapping[str, Tensor], config: MoEConfig, like: Tensor) -> Expert:
+    """An expert from its parameters by name (a checkpoint's or an export's), on ``like``'s device and dtype."""
+    return expert_with(
+        [named[n].to(device=like.device, dtype=like.dtype) for n, _ in expert_param_specs(config)], config
+    )
+
+
+def expert_key(layer_index: int, expert: int) -> str:
+    """The one name of a logical expert outside a live model (checkpoints, exports): 'MoE layer/logical id'.
+    Independent of ranks, ep size, slots and replicas."""
+    return f"{layer_index}/{expert}"
 
 
 def use_grouped_mm(mode: str, rows_RD: Tensor) -> bool:

@@ -54,6 +54,8 @@ def upcycle(
 
 
 def upcycled_layer(dense: Expert, config: MoEConfig) -> MoELayer:
+    """An MoE layer whose experts are all copies of ``dense``; dim, ffn_dim, activation, expert kind and
+    bias come from the dense block, everything else from ``config``."""
     kind = next(k for k, cls in EXPERT_CLASSES.items() if isinstance(dense, cls))
     layer_config = replace(
         config,
@@ -64,9 +66,11 @@ def upcycled_layer(dense: Expert, config: MoEConfig) -> MoELayer:
         expert_bias=dense.b_in is not None,
     )
     experts = ExpertBank(layer_config, [copy.deepcopy(dense) for _ in range(layer_config.num_experts)])
-    # A fresh module starts in training mode; upcycling a model in eval mode must not leave this one
-    # layer training (k = 0 tokens would get output 0 instead of the top-1 fallback).
-    return MoELayer(layer_config, experts).to(dense.w_in.device).train(dense.training)
+    # The router matches the dense block's device and dtype (a float64 model gets a float64 router). A
+    # fresh module starts in training mode; upcycling a model in eval mode must not leave this one layer
+    # training (k = 0 tokens would get output 0 instead of the top-1 fallback).
+    layer = MoELayer(layer_config, experts).to(device=dense.w_in.device, dtype=dense.w_in.dtype)
+    return layer.train(dense.training)
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

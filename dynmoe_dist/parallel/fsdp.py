@@ -33,9 +33,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
+from ..moe.experts import expert_with
 from .blocks import find_blocks
 from .groups import ParallelGroups, named
-from .migrate import expert_with
 from .shard import LayerShard
 
 

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..moe.config import MoEConfig
-from ..moe.experts import Expert, expert_param_shapes, new_expert
+from ..moe.experts import Expert, expert_param_shapes, expert_with, new_expert
 from ..moe.layer import MoELayer
 from ..planning.placement import Placement
 from ..planning.planner import AddSpec, LayerPlan
@@ -62,14 +62,6 @@ def combine_experts(
         with named("expert combination all_reduce (ep group)", groups):
             dist.all_reduce(flat, group=groups.ep_group)
     return [[part.reshape(shape).clone() for part, shape in zip(row.split(sizes), shapes)] for row in flat]
-
-
-def expert_with(params: Sequence[Tensor], config: MoEConfig) -> Expert:
-    module = new_expert(config).to(device=params[0].device, dtype=params[0].dtype)
-    with torch.no_grad():
-        for p, value in zip(module.parameters(), params):
-            p.copy_(value)
-    return module
 
 
 def random_expert(config: MoEConfig, seed: int, like: Tensor) -> Expert:

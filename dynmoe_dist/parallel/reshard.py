@@ -16,19 +16,14 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from ..moe.experts import expert_param_specs
+from ..moe.experts import expert_from_named, expert_key
 from ..planning.placement import Placement
 from .expert_parallel import install_shard
 from .groups import ParallelGroups
-from .migrate import expert_with
 from .shard import LayerShard
 
 ExpertTensors = Dict[str, Dict[str, Tensor]]
 """'layer/expert' -> {parameter name: tensor}."""
-
-
-def expert_key(layer_index: int, expert: int) -> str:
-    return f"{layer_index}/{expert}"
 
 
 def dense_named_parameters(model: nn.Module, shards: Sequence[LayerShard]) -> List[Tuple[str, nn.Parameter]]:
@@ -83,13 +78,10 @@ def reshard(
         for name, _ in list(layer.router.named_parameters()):
             shape = torch.Size(dense_shapes[_prefix(shard) + "router." + name])
             setattr(layer.router, name, nn.Parameter(like.new_zeros(shape)))
-        specs = expert_param_specs(layer.config)
-        modules = []
-        for expert in placement.experts_on(groups.ep_rank):
-            params = experts[expert_key(shard.index, expert)]
-            modules.append(
-                expert_with([params[n].to(device=like.device, dtype=like.dtype) for n, _ in specs], layer.config)
-            )
+        modules = [
+            expert_from_named(experts[expert_key(shard.index, expert)], layer.config, like)
+            for expert in placement.experts_on(groups.ep_rank)
+        ]
         layer.experts.set_experts(modules)
         new = shard.moved_to(placement)
         install_shard(new, groups)

@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hf_tiny import ADAPTIVE, WORDS, train_recorded  # noqa: E402
+from hf_tiny import ADAPTIVE, WORDS, save_tiny, train_recorded  # noqa: E402
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.parallel.simulate import run_simulated  # noqa: E402
@@ -39,27 +39,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "spec
 def save_user_model(kind, directory):
     """What a user does: a transformers model with the tokenizer's vocabulary size, save_pretrained, and
     the tokenizer files copied next to it."""
-    import transformers as tf
-
     from dynmoe_dist.models.hf.minilm import minilm_dir
 
     source = minilm_dir()
     vocab_size = sum(1 for _ in open(source / "vocab.txt", encoding="utf-8"))
-    shape = dict(
-        vocab_size=vocab_size,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    if kind == "llama":
-        model = tf.LlamaForCausalLM(tf.LlamaConfig(**shape))
-    else:
-        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**shape))
-    model.save_pretrained(directory)
+    save_tiny(kind, directory, vocab_size)
     for name in TOKENIZER_FILES:
         shutil.copy(source / name, directory / name)
 

@@ -7,8 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from dynmoe_dist.moe import ExpertBank, GatedFeedForward, MoEConfig, MoELayer, upcycle
-from dynmoe_dist.moe.experts import ACTIVATION_FNS, expert_param_specs, new_expert, reference_forward
-from dynmoe_dist.parallel.migrate import expert_with
+from dynmoe_dist.moe.experts import ACTIVATION_FNS, expert_param_specs, expert_with, new_expert, reference_forward
 
 
 def test_gelu_tanh_is_gpt2_gelu_new():

@@ -10,25 +10,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hf_tiny import WORDS, corpus_lines, hf_model_settings, save_llama, save_tokenizer  # noqa: E402  (tests/hf_tiny.py)
+from hf_tiny import WORDS, corpus_lines, hf_model_settings, save_llama, save_tiny  # noqa: E402  (tests/hf_tiny.py)
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.tasks import build_task  # noqa: E402
 from dynmoe_dist.tasks.causal_lm import CausalLMTask  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny_llama")
-    save_llama(directory, save_tokenizer(directory))
-    return directory
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("text") / "corpus.txt"
-    path.write_text("\n".join(corpus_lines()) + "\n")
-    return path
 
 
 def config_for(model_dir, text_file, *extra):
@@ -169,12 +155,8 @@ def test_gguf_that_does_not_parse(tmp_path, text_file, model_dir):
 
 
 def test_architecture_without_known_mlp(tmp_path, text_file, model_dir):
-    import transformers as tf
 
-    cfg = tf.GPTNeoXConfig(
-        vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
-    )
-    tf.GPTNeoXForCausalLM(cfg).save_pretrained(tmp_path)
+    save_tiny("gpt_neox", tmp_path, 16, num_hidden_layers=1)
     config = config_for(model_dir, text_file, "model.moe_layers=[0]")
     config.model.path = str(tmp_path)
     with pytest.raises(ValueError, match=r"GPTNeoXForCausalLM: no dense MLP of a known architecture.*supported"):

@@ -120,11 +120,14 @@ def test_greedy_generation_uses_the_kv_cache_and_matches_without(exported, index
     assert cached["tokens"] == uncached["tokens"]
     prompt = prompt_ids(cases[case_name(ARCHS[index], "float32", "top1")][0])
     length = len(prompt[0])
-    # with the cache every step after the prompt feeds one token; without, the whole sequence
+    # with the cache every step after the prompt feeds one token; without, the whole sequence (min_new_tokens:
+    # all 8 steps run whatever the random weights generate)
     assert cached["lengths"] == [length] + [1] * 7
     assert uncached["lengths"] == list(range(length, length + 8))
     model = cases[case_name(ARCHS[index], "float32", "top1")][1]
-    want = model.generate(torch.tensor(prompt), max_new_tokens=8, do_sample=False, use_cache=False, pad_token_id=1)
+    want = model.generate(
+        torch.tensor(prompt), max_new_tokens=8, min_new_tokens=8, do_sample=False, use_cache=False, pad_token_id=1
+    )
     assert cached["tokens"] == want.tolist()
 
 
@@ -136,7 +139,7 @@ def test_pipeline_generates_the_training_models_greedy_text(exported, index):
     directory, model = cases[case_name(ARCHS[index], "float32", "top1")]
     tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
-    want = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=1)
+    want = model.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=1)
     assert want.shape[1] == prompt.shape[1] + 6
     got = result["pipeline"][index]
     assert got["ids"] == want[0].tolist()

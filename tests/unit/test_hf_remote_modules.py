@@ -4,6 +4,7 @@ for every router and both expert kinds, loaded from the training layer's state d
 
 import pytest
 import torch
+from hf_tiny import tiny_model
 
 from dynmoe_dist.models.hf.pretrained import base_model_type
 from dynmoe_dist.models.hf.remote import modeling_dynmoe as remote
@@ -121,27 +122,17 @@ def test_a_bad_section_is_a_one_line_value_error():
 
 
 def test_export_refuses_a_base_without_remote_classes():
-    import transformers as tf
-
-    config = tf.BertConfig(
-        vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16
-    )
     with pytest.raises(ValueError, match=r"base model type \('bert'\) has no remote-code class .*llama, qwen2"):
-        base_model_type(tf.BertForMaskedLM(config))
+        base_model_type(tiny_model("bert", 16, num_hidden_layers=1))
 
 
 def test_export_config_drops_the_gguf_base_quantization_config():
     """A model loaded from a .gguf file keeps quantization_config (gguf_file, quant_method) in its config;
     the export's weights are dequantised floats, and lm-eval's loader stopped on an export that carried it
     ('Loading a GGUF checkpoint needs the file named as from_pretrained(..., gguf_file=...)')."""
-    import transformers as tf
-
     from dynmoe_dist.models.hf.pretrained import exported_config
 
-    config = tf.LlamaConfig(
-        vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16
-    )
-    model = tf.LlamaForCausalLM(config)
+    model = tiny_model("llama", 16, num_hidden_layers=1)
     model.config.quantization_config = {"quant_method": "gguf", "gguf_file": "base.gguf", "dequantize": False}
     model.config._name_or_path = "/somewhere/base"
     saved = exported_config(model, {"base_model_type": "llama"}).to_dict()

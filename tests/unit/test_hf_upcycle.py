@@ -12,130 +12,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import transformers as tf  # noqa: E402
+from hf_tiny import HIDDEN, MLP, NUM_LAYERS, tiny_model  # noqa: E402
 
-from dynmoe_dist.hf import HFCausalLM, MoEBlock, find_mlps, moe_blocks, take_aux_loss, upcycle_hf  # noqa: E402
+from dynmoe_dist.hf import HFCausalLM, MoEBlock, find_mlps, moe_blocks, upcycle_hf  # noqa: E402
 from dynmoe_dist.moe import MoEConfig  # noqa: E402
+from dynmoe_dist.moe.aux_collector import collect_aux_losses  # noqa: E402
 from dynmoe_dist.moe.layer import find_moe_layers  # noqa: E402
 
-D, F, V, N_LAYERS = 16, 32, 64, 3
+D, F, V, N_LAYERS = HIDDEN, MLP, 64, NUM_LAYERS
+FAMILIES = ("llama", "llama_bias", "qwen2", "mistral", "gpt2", "bert", "vit")
 
 
-def llama():
-    return tf.LlamaForCausalLM(
-        tf.LlamaConfig(
-            vocab_size=V,
-            hidden_size=D,
-            intermediate_size=F,
-            num_hidden_layers=N_LAYERS,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=32,
-        )
-    )
-
-
-def llama_bias():  # mlp_bias: gate/up/down carry biases
-    return tf.LlamaForCausalLM(
-        tf.LlamaConfig(
-            vocab_size=V,
-            hidden_size=D,
-            intermediate_size=F,
-            mlp_bias=True,
-            num_hidden_layers=N_LAYERS,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=32,
-        )
-    )
-
-
-def qwen2():
-    return tf.Qwen2ForCausalLM(
-        tf.Qwen2Config(
-            vocab_size=V,
-            hidden_size=D,
-            intermediate_size=F,
-            num_hidden_layers=N_LAYERS,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=32,
-        )
-    )
-
-
-def mistral():
-    return tf.MistralForCausalLM(
-        tf.MistralConfig(
-            vocab_size=V,
-            hidden_size=D,
-            intermediate_size=F,
-            num_hidden_layers=N_LAYERS,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=32,
-        )
-    )
-
-
-def gpt2():
-    return tf.GPT2LMHeadModel(
-        tf.GPT2Config(
-            vocab_size=V,
-            n_embd=D,
-            n_inner=F,
-            n_layer=N_LAYERS,
-            n_head=2,
-            n_positions=32,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-    )
-
-
-def bert():
-    return tf.BertForSequenceClassification(
-        tf.BertConfig(
-            vocab_size=V,
-            hidden_size=D,
-            intermediate_size=F,
-            num_hidden_layers=N_LAYERS,
-            num_attention_heads=2,
-            max_position_embeddings=32,
-            num_labels=3,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        )
-    )
-
-
-def vit():
-    return tf.ViTForImageClassification(
-        tf.ViTConfig(
-            image_size=8,
-            patch_size=4,
-            num_channels=3,
-            hidden_size=D,
-            intermediate_size=F,
-            num_hidden_layers=N_LAYERS,
-            num_attention_heads=2,
-            num_labels=3,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        )
-    )
-
-
-BUILDERS = {
-    "llama": llama,
-    "llama_bias": llama_bias,
-    "qwen2": qwen2,
-    "mistral": mistral,
-    "gpt2": gpt2,
-    "bert": bert,
-    "vit": vit,
-}
 # What the adapter must read off each family: expert kind and activation.
 EXPECTED = {
     "llama": ("gated", "silu"),
@@ -156,8 +43,7 @@ def inputs_for(family, batch=2, length=5):
 
 
 def built(family):
-    torch.manual_seed(0)
-    model = BUILDERS[family]().double()
+    model = tiny_model(family, V).double()
     # Random non-zero biases: a bias dropped or mis-assigned in the conversion must show.
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -166,7 +52,7 @@ def built(family):
     return model
 
 
-@pytest.mark.parametrize("family", list(BUILDERS))
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_upcycled_model_computes_the_dense_function(family):
     model = built(family).eval()
     x = inputs_for(family)
@@ -189,14 +75,21 @@ def test_upcycled_model_computes_the_dense_function(family):
     assert max(int(t.max()) for t in k) > 1
 
 
-@pytest.mark.parametrize("family", list(BUILDERS))
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_gradients_reach_experts_and_routers(family):
     model = built(family).train()
     upcycle_hf(model, MoEConfig(num_experts=3), layers=[1])
-    logits = model(**inputs_for(family, batch=3, length=6)).logits
-    aux = take_aux_loss(model, logits)
-    assert aux.dim() == 0 and aux > 0  # top_any's diverse/simple/load-balance/efficiency terms
-    assert take_aux_loss(model, logits) == 0  # taken once, then cleared
+    with collect_aux_losses() as collected:
+        logits = model(**inputs_for(family, batch=3, length=6)).logits
+    aux = collected.total(logits)
+    assert len(collected.losses) == 1  # the one MoE block reported once
+    assert aux.dim() == 0 and aux > 0  # top_any's diverse/simple terms
+    with collect_aux_losses() as outer:
+        with collect_aux_losses() as inner:
+            model(**inputs_for(family))
+    assert len(inner.losses) == 1 and not outer.losses  # the innermost collection only
+    model(**inputs_for(family))  # no collection open: nothing is kept anywhere
+    assert not any(hasattr(block, "aux_loss") for block in moe_blocks(model))
     (logits.square().mean() + aux).backward()
     ((_, layer),) = find_moe_layers(model)
     assert layer.router.weight.grad.abs().sum() > 0
@@ -215,7 +108,7 @@ def test_bert_keeps_layernorm_and_residual_outside_the_moe():
 
 
 def test_gpt2_keeps_its_mlp_dropout():
-    model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=V, n_embd=D, n_layer=1, n_head=2, resid_pdrop=0.25))
+    model = tiny_model("gpt2", V, n_layer=1, resid_pdrop=0.25)
     upcycle_hf(model, MoEConfig(num_experts=2))
     block = model.transformer.h[0].mlp
     assert isinstance(block, MoEBlock) and block.dropout.p == 0.25
@@ -236,17 +129,10 @@ def test_unsupported_architecture_names_its_class():
 
 def test_layer_index_beyond_the_model():
     with pytest.raises(ValueError, match=r"MoE layer index \(3\) out of range: LlamaForCausalLM has 3 MLP blocks"):
-        upcycle_hf(llama(), MoEConfig(num_experts=2), layers=[3])
+        upcycle_hf(tiny_model("llama", V), MoEConfig(num_experts=2), layers=[3])
 
 
 def test_unknown_activation_is_refused():
-    cfg = tf.LlamaConfig(
-        vocab_size=V,
-        hidden_size=D,
-        intermediate_size=F,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        hidden_act="gelu_fast",
-    )
+    model = tiny_model("llama", V, num_hidden_layers=1, hidden_act="gelu_fast")
     with pytest.raises(ValueError, match=r"activation module FastGELUActivation has no DynMoE equivalent"):
-        upcycle_hf(tf.LlamaForCausalLM(cfg), MoEConfig(num_experts=2))
+        upcycle_hf(model, MoEConfig(num_experts=2))

@@ -13,7 +13,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hf_tiny import WORDS, corpus_lines, hf_model_settings, save_llama, save_tokenizer  # noqa: E402
+from hf_tiny import WORDS, corpus_lines, hf_model_settings, save_llama  # noqa: E402
 from lm_reference import in_memory_task  # noqa: E402
 
 from dynmoe_dist.config import load_config  # noqa: E402
@@ -25,13 +25,6 @@ from dynmoe_dist.data.sources import corpus_files  # noqa: E402
 from dynmoe_dist.tasks import build_task  # noqa: E402
 
 DOCS = corpus_lines(40, 3)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny_llama")
-    save_llama(directory, save_tokenizer(directory))
-    return directory
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ no parallel code. Re-exported as ``dynmoe_dist.hf``."""
 
 from .adapters import SUPPORTED, MLPSite, find_mlps
 from .pretrained import from_pretrained
-from .upcycle import MoEBlock, moe_blocks, num_mlp_blocks, take_aux_loss, upcycle_hf
+from .upcycle import MoEBlock, moe_blocks, num_mlp_blocks, upcycle_hf
 from .wrappers import HFCausalLM
 
 __all__ = [
@@ -14,7 +14,6 @@ __all__ = [
     "MoEBlock",
     "moe_blocks",
     "num_mlp_blocks",
-    "take_aux_loss",
     "upcycle_hf",
     "HFCausalLM",
     "from_pretrained",

@@ -21,9 +21,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from ...moe.aux_collector import collect_aux_losses
 from ..transformer import ModelOutput, masked_mean
 from .loading import _transformers
-from .upcycle import take_aux_loss
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -105,10 +105,11 @@ class HFSentenceClassifier(nn.Module):
 
     def embed(self, tokens_BL: Tensor, valid_BL: Optional[Tensor] = None, token_type_BL: Optional[Tensor] = None):
         """(mean-pooled sentence embeddings (B, D), aux loss)."""
-        take_aux_loss(self.bert, tokens_BL)  # drop what a forward outside this wrapper left behind
         mask_BL = valid_BL.long() if valid_BL is not None else None
-        h_BLD = self.bert(input_ids=tokens_BL, attention_mask=mask_BL, token_type_ids=token_type_BL).last_hidden_state
-        return masked_mean(h_BLD, valid_BL), take_aux_loss(self.bert, h_BLD)
+        with collect_aux_losses() as aux:
+            h_BLD = self.bert(input_ids=tokens_BL, attention_mask=mask_BL, token_type_ids=token_type_BL)
+        h_BLD = h_BLD.last_hidden_state
+        return masked_mean(h_BLD, valid_BL), aux.total(h_BLD)
 
     def forward(
         self, tokens_BL: Tensor, valid_BL: Optional[Tensor] = None, token_type_BL: Optional[Tensor] = None

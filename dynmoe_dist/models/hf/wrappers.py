@@ -5,7 +5,7 @@ Shape legend: B batch, L sequence length, V vocabulary.
 The trainer calls ``model(**batch.inputs)`` and reads ``.logits`` and ``.aux_loss`` (``ModelOutput``). HF
 models return their own output classes and cannot carry the MoE aux loss, so the wrapper runs the HF
 model unchanged (its MoE blocks return plain tensors, which keeps ``generate()`` working on the model
-inside) and collects the aux losses the blocks kept.
+inside) inside a collection of the aux losses its MoE blocks report (moe/aux_collector.py).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Optional
 import torch.nn as nn
 from torch import Tensor
 
+from ...moe.aux_collector import collect_aux_losses
 from ..transformer import ModelOutput
-from .upcycle import take_aux_loss
 
 
 class HFCausalLM(nn.Module):
@@ -27,6 +27,6 @@ class HFCausalLM(nn.Module):
         self.hf = hf_model
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> ModelOutput:
-        take_aux_loss(self.hf, input_ids)  # drop anything a forward outside this wrapper left behind
-        out = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        return ModelOutput(out.logits, take_aux_loss(self.hf, out.logits))
+        with collect_aux_losses() as aux:
+            out = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return ModelOutput(out.logits, aux.total(out.logits))
