@@ -561,10 +561,13 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     check_world(config, world_size_from_env())
     check_resume(config.output)
     # Imported here: the tasks import torch and the models, which config.py must not need to load.
+    from .models.build import check_model_config
     from .tasks import task_spec, validate_run_config
 
     validate_run_config(config)
-    if "model.path" in (task_spec(config.task.name).reads or ()):
+    spec = task_spec(config.task.name)
+    check_model_config(config.model, spec.model_kind)
+    if "model.path" in (spec.reads or ()):
         resolve_num_layers(config.model)
     return config
 

@@ -1,11 +1,12 @@
 """``python -m dynmoe_dist.export CHECKPOINT --out DIR``: a training checkpoint -> a transformers directory.
 
-The checkpoint (train/checkpoint.py: meta.pt, dense/, experts_ep{r}.pt) holds dense parameters by name
-and experts by (MoE layer, logical id), whatever the world size, ep size, replicas and FSDP sharding were.
-The dense state is a torch.distributed.checkpoint directory of shards; the export reads it into full
-tensors on this one process, with no process group (train/dense_state.py: read_dense_params). The export
-rebuilds the run's HF model (config from model.path, MoE blocks with the checkpoint's expert counts),
-fills in every weight and writes it with models/hf/pretrained.py (format 2: plain transformers loads
+The checkpoint (train/checkpoint.py: meta.pt, dense/, experts_ep{r}.pt) holds dense parameters by their
+name in the trainer's model and experts by (MoE layer, logical id, ``moe.experts.expert_key``), whatever
+the world size, ep size, replicas and FSDP sharding were. The export builds the run's model with the same
+builder the trainer used (models/build.py, from the checkpoint's [model] and [moe]), sets each MoE layer to
+the checkpoint's expert count and experts, fills every dense parameter by its name (the dense state is a
+torch.distributed.checkpoint directory read into full tensors on this one process, no process group),
+and writes the transformers model inside with models/hf/pretrained.py (format 2: plain transformers loads
 it with ``trust_remote_code=True``; docs/hf.md); ``dynmoe_dist.hf.from_pretrained`` reads it back.
 Only runs with model.source = 'hf' export (the built-in models are not transformers models).
 """
@@ -15,19 +16,19 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, Mapping
 
 import torch
 import torch.nn as nn
 
-from .models.hf.loading import load_model, load_tokenizer
-from .models.hf.pretrained import base_model_type, dynmoe_section, install_moe_blocks, save_exported
-from .moe.experts import expert_param_specs
-from .moe.layer import find_moe_layers
-from .parallel.migrate import expert_with
-from .train.checkpoint import read_checkpoint_dense, read_checkpoint_experts, read_checkpoint_meta
-
-WRAPPER_PREFIX = "hf."  # models/hf/wrappers.py: the trainer's model holds the HF model as .hf
+from .data.tokenizers import load_tokenizer
+from .models.build import build_model
+from .models.hf.pretrained import base_model_type, dynmoe_section, save_exported
+from .models.hf.wrappers import HFCausalLM
+from .moe.experts import expert_key
+from .moe.layer import find_moe_layers, rebuild_experts
+from .tasks.base import ModelNeeds
+from .train.checkpoint import read_checkpoint_dense, read_checkpoint_experts, read_checkpoint_meta, saved_expert_counts
 
 
 def read_checkpoint(checkpoint: Path):
@@ -41,48 +42,56 @@ def read_checkpoint(checkpoint: Path):
     return meta, run
 
 
-def fill_dense(model: nn.Module, params: Dict[str, torch.Tensor], where: Path) -> None:
-    named = dict(model.named_parameters())
+def fill_experts(model: nn.Module, experts: Mapping[str, Dict], meta: Dict, where: Path) -> None:
+    """Each MoE layer at the checkpoint's expert count, its experts in logical-id order (replicas were
+    saved once)."""
+    counts = saved_expert_counts(meta)
+    layers = find_moe_layers(model)
+    if len(layers) != len(counts):
+        raise ValueError(f"{where}: the checkpoint has {len(counts)} MoE layers, the run's model {len(layers)}")
+    for index, ((_, layer), count) in enumerate(zip(layers, counts)):
+        keys = [expert_key(index, e) for e in range(count)]
+        missing = [key for key in keys if key not in experts]
+        if missing:
+            raise ValueError(f"{where}: expert {missing[0]} (layer/logical id) is in no experts_ep*.pt file")
+        rebuild_experts(layer, count, [experts[key]["params"] for key in keys])
+
+
+def fill_dense(model: nn.Module, dense: Mapping[str, torch.Tensor], where: Path) -> None:
+    """Every parameter that is not an expert's, by its name in the trainer's model (the checkpoint's names)."""
+    expert_ids = {id(p) for _, layer in find_moe_layers(model) for p in layer.experts.parameters()}
+    named = {n: p for n, p in model.named_parameters() if id(p) not in expert_ids}
+    unplaced = sorted(set(dense) - set(named))
+    if unplaced:
+        raise ValueError(f"{where}: dense parameter {unplaced[0]!r} has no place in {type(model).__name__}")
+    missing = sorted(set(named) - set(dense))
+    if missing:
+        raise ValueError(f"{where}: the checkpoint has no dense parameter {missing[0]!r}")
     with torch.no_grad():
-        for name, value in params.items():
-            key = name[len(WRAPPER_PREFIX) :] if name.startswith(WRAPPER_PREFIX) else name
-            if key not in named:
-                raise ValueError(f"{where}: dense parameter {name!r} has no place in {type(model).__name__}")
-            if named[key].shape != value.shape:
-                raise ValueError(f"{where}: {name!r} is {tuple(value.shape)}, the model's {tuple(named[key].shape)}")
-            named[key].copy_(value)
-
-
-def fill_experts(model: nn.Module, experts: Dict[str, Dict], counts: List[int], where: Path) -> None:
-    """Each layer's experts in logical-id order, one module per id (replicas were saved once)."""
-    for index, (_, layer) in enumerate(find_moe_layers(model)):
-        like = layer.router.weight
-        modules = []
-        for expert in range(counts[index]):
-            key = f"{index}/{expert}"
-            if key not in experts:
-                raise ValueError(f"{where}: expert {key} (layer/logical id) is in no experts_ep*.pt file")
-            params = experts[key]["params"]
-            modules.append(expert_with([params[n].to(like) for n, _ in expert_param_specs(layer.config)], layer.config))
-        layer.experts.set_experts(modules)
+        for name, value in dense.items():
+            if named[name].shape != value.shape:
+                raise ValueError(f"{where}: {name!r} is {tuple(value.shape)}, the model's {tuple(named[name].shape)}")
+            named[name].copy_(value)
 
 
 def export(checkpoint, out) -> Path:
     checkpoint, out = Path(checkpoint), Path(out)
     meta, run = read_checkpoint(checkpoint)
-    counts = [int(n) for n in meta["num_experts"]]
-    model = load_model(run.model.path, "causal-lm")
-    base_model_type(model)  # a base without remote-code classes fails before any weight is read
+    tokenizer_path = run.task.tokenizer or run.model.path
+    tokenizer = load_tokenizer(tokenizer_path, "task.tokenizer")
+    needs = ModelNeeds("causal-lm", len(tokenizer), max_len=run.task.max_len, tokenizer=tokenizer_path)
+    model = build_model(run.model, run.moe, needs)
+    assert isinstance(model, HFCausalLM), "model.source = 'hf' builds a causal LM wrapper"
+    hf_model = model.transformers_model()
+    base_model_type(hf_model)  # a base without remote-code classes fails before any weight is read
     dense, experts = read_checkpoint_dense(checkpoint), read_checkpoint_experts(checkpoint)
     # The checkpoint's dtype (float64 runs export float64; bf16 runs keep fp32 masters).
-    model = model.to(next(iter(dense.values())).dtype)
-    blocks = sorted(run.model.moe_layers)
-    install_moe_blocks(model, run.moe, blocks, counts)
+    model.to(next(iter(dense.values())).dtype)
+    fill_experts(model, experts, meta, checkpoint)
     fill_dense(model, dense, checkpoint)
-    fill_experts(model, experts, counts, checkpoint)
-    tokenizer = load_tokenizer(run.task.tokenizer or run.model.path, "task.tokenizer")
-    section = dynmoe_section(model, run.moe, blocks, step=int(meta["step"]), base_model=run.model.path)
-    return save_exported(model.eval(), section, out, tokenizer)
+    blocks = sorted(run.model.moe_layers)
+    section = dynmoe_section(hf_model, run.moe, blocks, step=int(meta["step"]), base_model=run.model.path)
+    return save_exported(hf_model.eval(), section, out, tokenizer)
 
 
 def main(argv=None) -> None:

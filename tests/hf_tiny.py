@@ -193,10 +193,9 @@ def train_recorded(trainer, steps):
     """Train `steps` steps with a collective coordinator -> (adaptive controller, losses, expert counts,
     changes of the events), what the HF invariance tests compare across world sizes."""
     from dynmoe_dist.coordination import CollectiveCoordinator
-    from dynmoe_dist.train.adaptive import AdaptiveController
-    from dynmoe_dist.train.run import step_once
+    from dynmoe_dist.train.run import adaptive_controller, step_once
 
-    adaptive = AdaptiveController(trainer, CollectiveCoordinator(trainer.groups))
+    adaptive = adaptive_controller(trainer, CollectiveCoordinator(trainer.groups))
     losses, counts, events = [], [], []
     for _ in range(steps):
         record, new_events = step_once(trainer, adaptive)

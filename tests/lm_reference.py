@@ -36,7 +36,7 @@ class InMemoryLMTask(CausalLMTask):
 
 def in_memory_task(task_config, docs: List[str]) -> InMemoryLMTask:
     """The old build: seeded document subset, shuffled document split, each split packed in memory."""
-    from dynmoe_dist.models.hf.loading import load_tokenizer
+    from dynmoe_dist.data.tokenizers import load_tokenizer
 
     tokenizer = load_tokenizer(task_config.tokenizer)
     docs = [docs[i] for i in subset_indices(len(docs), task_config.num_samples, task_config.seed).tolist()]

@@ -114,11 +114,11 @@ def train_and_time(trainer, adaptive, groups) -> Dict:
 
 def rank_worker(config_path: str, overrides: List[str], skewed: bool) -> Dict:
     from ..config import load_config
-    from ..train.adaptive import AdaptiveController
     from ..train.loop import Trainer
+    from ..train.run import adaptive_controller
 
     trainer = Trainer(load_config(config_path, overrides))
-    adaptive = AdaptiveController(trainer, TimedCoordinator(trainer.groups))
+    adaptive = adaptive_controller(trainer, TimedCoordinator(trainer.groups))
     if skewed:
         skew_routing(trainer)
     result = train_and_time(trainer, adaptive, trainer.groups)

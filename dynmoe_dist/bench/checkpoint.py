@@ -26,12 +26,13 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from ..config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from ..moe import MoEConfig
 from .measure import MEMORY_PROCESS_ENV, emit_json, machine_info, memory_supported, peak_rss_above_baseline_mb
 
 MIB = 2**20
@@ -46,15 +47,30 @@ MEMORY_METHOD = (
 )
 
 
-def build_model(shape: Dict, num_experts: int) -> torch.nn.Module:
+def run_config(shape: Dict, num_experts: int) -> RunConfig:
+    """The benchmark's settings: the last two blocks upcycled, every parameter trained, dense FSDP."""
+    layers = shape["layers"]
+    return RunConfig(
+        model=ModelConfig(
+            source="hf",
+            path="(a SmolLM2-shaped LlamaForCausalLM with random weights, in memory)",
+            num_layers=layers,
+            moe_layers=[layers - 2, layers - 1],
+        ),
+        moe=MoEConfig(num_experts=num_experts, max_experts=2 * num_experts),
+        train=TrainConfig(lr=1e-4, weight_decay=0.01),
+        parallel=ParallelConfig(dense_sharding="fsdp"),
+    )
+
+
+def build_model(shape: Dict, config: RunConfig) -> torch.nn.Module:
     """The SmolLM2-shaped Llama (random weights) with its last two MLPs upcycled, as the trainer sees it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ..models.hf.upcycle import upcycle_hf
-    from ..models.hf.wrappers import HFCausalLM
-    from ..moe import MoEConfig
+    from ..models.build import hf_causal_lm_from
+    from ..tasks.base import ModelNeeds
 
-    config = LlamaConfig(
+    hf_config = LlamaConfig(
         vocab_size=shape["vocab"],
         hidden_size=shape["dim"],
         intermediate_size=shape["ffn"],
@@ -65,10 +81,8 @@ def build_model(shape: Dict, num_experts: int) -> torch.nn.Module:
         max_position_embeddings=256,
     )
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(config)
-    layers = [shape["layers"] - 2, shape["layers"] - 1]
-    upcycle_hf(hf, MoEConfig(num_experts=num_experts, max_experts=2 * num_experts), layers=layers)
-    return HFCausalLM(hf)
+    needs = ModelNeeds("causal-lm", shape["vocab"])
+    return hf_causal_lm_from(LlamaForCausalLM(hf_config), config.model, config.moe, needs)
 
 
 def _trim() -> None:
@@ -116,29 +130,23 @@ def _warm_up(directory: Path, params, optimizer, groups) -> None:
 
 def rank_case(spec: Dict) -> Dict:
     """One rank: build, shard, one step, then save and load the dense state, measured."""
-    from ..parallel.expert_parallel import parallelize
-    from ..parallel.fsdp import local, plan_sharding, shard_dense, shard_experts
-    from ..parallel.grads import GradSync
-    from ..parallel.groups import barrier, build_groups
+    from ..parallel.fsdp import local
+    from ..parallel.groups import barrier
     from ..parallel.reshard import dense_named_parameters
     from ..train.dense_state import dense_state_dict, load_dense, save_dense
-    from ..train.optim import build_optimizer
+    from ..train.parts import build_parts
 
     torch.set_num_threads(1)
-    groups = build_groups(0)
-    model = build_model(spec["shape"], num_experts=4)
-    shards = parallelize(model, groups)
-    parallel = SimpleNamespace(dense_sharding="fsdp", expert_sharding="replicate", fsdp_reshard_after_forward=True)
+    config = run_config(spec["shape"], num_experts=4)
+    model = build_model(spec["shape"], config)
     with warnings.catch_warnings():  # one rank: FSDP has nothing to shard, and says so
         warnings.simplefilter("ignore", UserWarning)
-        sharding = plan_sharding(parallel, groups, bf16=False)
-    shard_experts(shards, sharding)
-    shard_dense(model, shards, sharding)
-    optimizer = build_optimizer(model, SimpleNamespace(lr=1e-4, weight_decay=0.01, betas=(0.9, 0.999)))
+        parts = build_parts(config, model)
+    groups, shards, optimizer = parts.groups, parts.experts.shards, parts.optimizer
     tokens = torch.randint(0, spec["shape"]["vocab"], (1, 17), generator=torch.Generator().manual_seed(1))
     out = model(tokens[:, :-1])
     (F.cross_entropy(out.logits.flatten(0, 1), tokens[:, 1:].flatten()) + out.aux_loss).backward()
-    GradSync(model, groups).sync(shards)
+    parts.grad_sync.sync(shards)
     optimizer.step()  # the Adam state exists from here on
     optimizer.zero_grad(set_to_none=True)
     del out

@@ -18,104 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
-import threading
 import time
-import traceback
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+from dynmoe_dist.bench import gpu_sections
+from dynmoe_dist.bench.gpu_runner import STATUSES, TOTAL_BUDGET_S, Section, Skip, run_sections
+
+__all__ = ["SCHEMA", "Section", "Skip", "build_report", "check_schema", "main", "markdown", "run_sections"]
 
 SCHEMA = "dynmoe_dist.gpu_check/1"
-TOTAL_BUDGET_S = 340.0
-STATUSES = ("pass", "fail", "skip")
-ERROR_CHARS = 3000
-
-
-class Skip(Exception):
-    """Raised by a section that cannot run here; the message is the recorded reason."""
-
-
-class SectionTimeout(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class Section:
-    name: str
-    run: Callable[[dict], dict]
-    """Takes the shared context, returns the section's figures; ``passed: False`` in them marks a fail."""
-    cap_s: float
-    needs_cuda: bool = True
-    what: str = ""
-
-
-@contextmanager
-def time_limit(seconds: float):
-    """Raise SectionTimeout in the main thread after ``seconds`` (SIGALRM; a no-op off the main thread).
-    A CUDA kernel in flight finishes first: the alarm interrupts Python code, not the device."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        yield
-        return
-
-    def expire(signum, frame):
-        raise SectionTimeout(f"exceeded its time cap of {seconds:.0f} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    started = time.monotonic()
-    outer_delay, outer_interval = signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        if outer_delay > 0:  # an outer alarm (e.g. pytest-timeout's) keeps its remaining time
-            remaining = max(outer_delay - (time.monotonic() - started), 0.001)
-            signal.setitimer(signal.ITIMER_REAL, remaining, outer_interval)
-
-
-def run_section(section: Section, context: dict, deadline: float) -> dict:
-    record = {"name": section.name, "what": section.what, "cap_s": section.cap_s}
-    started = time.monotonic()
-    cap = min(section.cap_s, deadline - started)
-    try:
-        if section.needs_cuda and not context.get("cuda") and not context.get("rehearsal"):
-            raise Skip("no CUDA")
-        if cap < 1.0:
-            raise Skip("the total time budget of the check is spent")
-        with time_limit(cap):
-            result = section.run(context)
-        record["result"] = result
-        record["status"] = "fail" if result.get("passed") is False else "pass"
-    except Skip as skip:
-        record.update(status="skip", reason=str(skip))
-    except SectionTimeout as timeout:
-        record.update(status="fail", error=f"{section.name} {timeout}")
-    except Exception:  # the point of the runner: record it and go on with the next section
-        record.update(status="fail", error=traceback.format_exc()[-ERROR_CHARS:])
-    finally:
-        _release_device(context)
-    record["seconds"] = round(time.monotonic() - started, 2)
-    return record
-
-
-def _release_device(context: dict) -> None:
-    if context.get("device") != "cuda":
-        return
-    try:
-        import torch
-
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-    except Exception as error:  # a broken context fails the next section, which records it
-        context.setdefault("device_errors", []).append(repr(error))
-
-
-def run_sections(sections: Sequence[Section], context: dict, budget_s: float = TOTAL_BUDGET_S) -> List[dict]:
-    deadline = time.monotonic() + budget_s
-    return [run_section(section, context, deadline) for section in sections]
 
 
 def build_report(records: List[dict], context: dict, wall_s: float) -> dict:
@@ -209,8 +122,6 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> dict:
     modules_at_start = set(sys.modules)
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    from dynmoe_dist.bench import gpu_sections
-
     sections: Sequence[Section] = gpu_sections.SECTIONS
     if args.only:
         wanted = args.only.split(",")

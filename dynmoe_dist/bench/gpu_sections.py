@@ -19,7 +19,8 @@ from typing import Dict, List
 import torch
 
 from dynmoe_dist.bench import gpu_layer, gpu_train
-from dynmoe_dist.bench.gpu import Section, Skip
+from dynmoe_dist.bench import hf as hf_bench
+from dynmoe_dist.bench.gpu_runner import Section, Skip
 
 # What the GPU machine has, besides the standard library (and torch's own dependencies).
 ALLOWED_IMPORTS = {
@@ -113,20 +114,6 @@ def kernel_checks(context: dict) -> Dict:
     }
 
 
-def hf_smollm2(context: dict) -> Dict:
-    if importlib.util.find_spec("dynmoe_dist.models.hf") is None:
-        raise Skip("needs the HF issue: dynmoe_dist.models.hf (upcycled SmolLM2) does not exist yet")
-    bench = importlib.util.find_spec("dynmoe_dist.bench.hf")
-    if bench is None or not hasattr(importlib.import_module("dynmoe_dist.bench.hf"), "gpu_step_tokens_per_s"):
-        raise Skip(
-            "dynmoe_dist.models.hf exists but dynmoe_dist.bench.hf.gpu_step_tokens_per_s(context) does "
-            "not: the HF issue provides the upcycled SmolLM2 training step to time"
-        )
-    result = importlib.import_module("dynmoe_dist.bench.hf").gpu_step_tokens_per_s(context)
-    result.setdefault("summary", f"{result.get('tokens_per_s', '?')} tokens/s")
-    return result
-
-
 def _requirement_names(distribution: str) -> List[str]:
     """Distribution names a distribution requires (extras left out); [] if it is not installed."""
     try:
@@ -206,7 +193,12 @@ SECTIONS = (
         cap_s=120,
         what="bf16 MoE layer vs dense FFN (same active parameters), top-any vs top-k, D=2048 F=5632 T=16k",
     ),
-    Section("hf_smollm2", hf_smollm2, cap_s=60, what="upcycled SmolLM2 training step tokens/s"),
+    Section(
+        "hf_smollm2",
+        hf_bench.gpu_step_tokens_per_s,
+        cap_s=60,
+        what="upcycled SmolLM2-shaped LLaMA (4 blocks, 4 top-1 experts each), bf16 training step tokens/s",
+    ),
     Section(
         "import_set",
         import_set,

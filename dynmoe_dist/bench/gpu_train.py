@@ -16,7 +16,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from dynmoe_dist.bench.gpu import Skip
+from dynmoe_dist.bench.gpu_runner import Skip
 
 CONFIGS = {"demo": "launcher/configs/demo.toml", "quickstart": "launcher/configs/quickstart.toml"}
 REPO = Path(__file__).resolve().parents[2]

@@ -26,16 +26,16 @@ import copy
 import json
 import statistics
 import time
-from types import SimpleNamespace
 from typing import Dict, List, TypedDict
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from ..moe import MoEConfig
 from ..moe.layer import find_moe_layers
-from ..parallel.groups import barrier, build_groups
+from ..parallel.groups import barrier
 from ..parallel.simulate import run_simulated
 from .measure import machine_info, memory_supported, peak_rss_above_baseline_mb
 
@@ -66,19 +66,29 @@ SMOLLM2 = LlamaShape(
 MIB = 2**20
 
 
-def dense_llama(num_layers: int) -> nn.Module:
+def dense_llama(num_layers: int, **shape) -> nn.Module:
+    """SmolLM2's shapes (``shape`` overrides some, for toy runs) with random weights, seeded."""
     import transformers as tf
 
     torch.manual_seed(0)
-    return tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=num_layers, **SMOLLM2)).train()
+    return tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=num_layers, **{**SMOLLM2, **shape})).train()
 
 
-def upcycled(dense: nn.Module, blocks: List[int], num_experts: int) -> nn.Module:
-    from ..models.hf import upcycle_hf
-
-    torch.manual_seed(1)  # the routers' initialisation
-    moe = MoEConfig(num_experts=num_experts, router="top_k", top_k=1, aux_loss_weight=0.01)
-    return upcycle_hf(copy.deepcopy(dense), moe, layers=blocks)
+def run_config(args: argparse.Namespace, blocks: List[int], ep_size: int) -> RunConfig:
+    """One case's settings: the in-memory LLaMA (model.moe_layers upcycled into top-1 experts), the tied
+    embedding frozen unless --train-embedding, experts over ep_size ranks."""
+    return RunConfig(
+        model=ModelConfig(
+            source="hf",
+            path="(a SmolLM2-shaped LlamaForCausalLM with random weights, in memory)",
+            num_layers=args.num_layers,
+            moe_layers=blocks,
+            freeze=[] if args.train_embedding else ["model.embed_tokens"],
+        ),
+        moe=MoEConfig(num_experts=args.num_experts, router="top_k", top_k=1, aux_loss_weight=0.01),
+        train=TrainConfig(lr=1e-4, weight_decay=0.01),
+        parallel=ParallelConfig(ep_size=ep_size),
+    )
 
 
 def active_parameters(model: nn.Module) -> int:
@@ -102,43 +112,36 @@ def state_mib(model: nn.Module, optimizer) -> float:
 
 
 class Case:
-    """One model on this rank: parallelized, with its optimizer and gradient sync; ``step()`` trains once."""
+    """One model on this rank, assembled by build_parts; ``step()`` trains once."""
 
-    def __init__(self, hf_model: nn.Module, ep_size: int, tokens_BL: torch.Tensor):
-        from ..models.hf import HFCausalLM
-        from ..parallel.expert_parallel import parallelize
-        from ..parallel.grads import GradSync
-        from ..train.optim import build_optimizer
+    def __init__(self, hf_model: nn.Module, config: RunConfig, tokens_BL: torch.Tensor, vocab: int = 0):
+        from ..models.build import hf_causal_lm_from
+        from ..tasks.base import ModelNeeds
+        from ..train.parts import build_parts
 
-        self.model = HFCausalLM(hf_model)
-        self.groups = build_groups(ep_size)
-        self.shards = parallelize(self.model, self.groups)
-        self.optimizer = build_optimizer(self.model, SimpleNamespace(lr=1e-4, weight_decay=0.01, betas=(0.9, 0.999)))
-        self.sync = GradSync(self.model, self.groups)
+        torch.manual_seed(1)  # the routers' initialisation
+        needs = ModelNeeds("causal-lm", vocab or SMOLLM2["vocab_size"], max_len=tokens_BL.shape[1])
+        model = hf_causal_lm_from(hf_model, config.model, config.moe, needs)
+        self.active_parameters = active_parameters(model)  # before expert parallelism keeps this rank's experts
+        self.parts = build_parts(config, model)
         self.tokens_BL = tokens_BL
 
     def step(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        out = self.model(self.tokens_BL[:, :-1])
+        parts = self.parts
+        parts.optimizer.zero_grad(set_to_none=True)
+        out = parts.model(self.tokens_BL[:, :-1])
         loss = F.cross_entropy(out.logits.flatten(0, 1), self.tokens_BL[:, 1:].flatten()) + out.aux_loss
         loss.backward()
-        self.sync.sync(self.shards)
-        self.optimizer.step()
+        parts.grad_sync.sync(parts.experts.shards)
+        parts.optimizer.step()
 
 
 def rank_case(spec: Dict) -> Dict:
     """One rank: build both models, alternate their steps, report times and memory."""
-    from ..models.hf.loading import input_embeddings
-
     torch.set_num_threads(1)
-    args = SimpleNamespace(**spec)
-    dense = dense_llama(args.num_layers)
+    args = argparse.Namespace(**spec)  # the command line's options, rebuilt in the rank process
     blocks = list(range(args.num_layers)) if args.moe_blocks is None else args.moe_blocks
-    moe = upcycled(dense, blocks, args.num_experts)
-    active = {"dense": active_parameters(dense), "moe": active_parameters(moe)}
-    if not args.train_embedding:
-        for model in (dense, moe):
-            input_embeddings(model).weight.requires_grad_(False)
+    dense = dense_llama(args.num_layers)
     rank = torch.distributed.get_rank()
     tokens = torch.randint(
         0,
@@ -146,7 +149,11 @@ def rank_case(spec: Dict) -> Dict:
         (args.batch_per_rank, args.seq_len + 1),
         generator=torch.Generator().manual_seed(100 + rank),
     )
-    cases = {"dense": Case(dense, 1, tokens), "moe": Case(moe, 2, tokens)}
+    cases = {
+        "dense": Case(copy.deepcopy(dense), run_config(args, [], ep_size=1), tokens),
+        "moe": Case(dense, run_config(args, blocks, ep_size=2), tokens),
+    }
+    active = {name: case.active_parameters for name, case in cases.items()}
     peaks = {}
     for name, case in cases.items():
         case.step()  # warm-up; optimizer state exists from here on
@@ -154,7 +161,7 @@ def rank_case(spec: Dict) -> Dict:
     times: Dict[str, List[float]] = {name: [] for name in cases}
     for _ in range(args.steps):
         for name, case in cases.items():
-            barrier(case.groups, "bench hf step")
+            barrier(case.parts.groups, "bench hf step")
             started = time.perf_counter()
             case.step()
             times[name].append(time.perf_counter() - started)
@@ -163,8 +170,52 @@ def rank_case(spec: Dict) -> Dict:
         "active_parameters": active,
         "step_s": times,
         "step_peak_rss_mib": peaks,
-        "state_mib": {name: state_mib(case.model, case.optimizer) for name, case in cases.items()},
+        "state_mib": {name: state_mib(case.parts.model, case.parts.optimizer) for name, case in cases.items()},
     }
+
+
+# -- the GPU check's section (bench/gpu_sections.py) ------------------------------------------------------
+GPU_CASE = dict(num_layers=4, num_experts=4, seq_len=512, batch=8, steps=5)
+REHEARSAL_CASE = dict(num_layers=1, num_experts=2, seq_len=16, batch=1, steps=1)
+REHEARSAL_SHAPE = dict(
+    hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, vocab_size=256
+)
+
+
+def gpu_step_tokens_per_s(context: dict) -> Dict:
+    """One process on context['device'] (CUDA; the CPU in the check's rehearsal, at toy sizes): the
+    upcycled SmolLM2-shaped LLaMA (every block's MLP into top-1 experts, assembled by build_parts like a
+    run), bf16 autocast training steps with AdamW; the median step's tokens/s."""
+    rehearsal = bool(context.get("rehearsal"))
+    case, shape = (REHEARSAL_CASE, REHEARSAL_SHAPE) if rehearsal else (GPU_CASE, {})
+    vocab = int(shape.get("vocab_size", SMOLLM2["vocab_size"]))
+    args = argparse.Namespace(num_layers=case["num_layers"], num_experts=case["num_experts"], train_embedding=False)
+    config = run_config(args, list(range(case["num_layers"])), ep_size=1)
+    config.parallel.device = "cuda" if context["device"] == "cuda" else "cpu"
+    tokens_BL = torch.randint(
+        0, vocab, (case["batch"], case["seq_len"] + 1), generator=torch.Generator().manual_seed(0)
+    )
+    step = Case(dense_llama(case["num_layers"], **shape), config, tokens_BL.to(config.parallel.device), vocab).step
+    with torch.autocast(context["device"], dtype=torch.bfloat16):
+        step()  # warm-up: kernels, allocator, optimizer state
+        seconds = [_timed(step, context["device"]) for _ in range(case["steps"])]
+    tokens_per_s = case["batch"] * case["seq_len"] / statistics.median(seconds)
+    return {
+        "tokens_per_s": round(tokens_per_s, 1),
+        "step_s": [round(t, 4) for t in seconds],
+        "case": case,
+        "summary": f"{tokens_per_s:.0f} tokens/s (median of {len(seconds)} steps)",
+    }
+
+
+def _timed(step, device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    step()
+    if device == "cuda":
+        torch.cuda.synchronize()  # NOTE: device-to-host sync: the step's end, for the timer
+    return time.perf_counter() - started
 
 
 def summarize(per_rank: List[Dict]) -> Dict:

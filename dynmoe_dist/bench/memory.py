@@ -19,25 +19,35 @@ import argparse
 import json
 import statistics
 import time
-from types import SimpleNamespace
 from typing import Dict, List
 
 import torch
 import torch.nn.functional as F
 
+from ..config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from ..models.build import build_model
 from ..moe import MoEConfig
-from ..parallel.groups import barrier, build_groups
+from ..parallel.groups import barrier
 from ..parallel.simulate import run_simulated
+from ..tasks.base import ModelNeeds
+from ..train.parts import build_parts
 from .measure import machine_info, memory_supported, peak_rss_above_baseline_mb
 
 TARGETS = {"dense_state_per_rank_x_world": 1.1, "fsdp_step_time_ratio": 1.25}
 MIB = 2**20
+VOCAB = 49152
 
 
-def _shape(args) -> SimpleNamespace:
-    moe_layers = [args.num_layers - 2, args.num_layers - 1]
-    return SimpleNamespace(
-        dim=576, num_heads=9, num_layers=args.num_layers, ffn_dim=1536, dropout=0.0, moe_layers=moe_layers, patch_size=1
+def run_config(spec: Dict, world_size: int) -> RunConfig:
+    """The benchmark's model and parallel settings as a run config (what build_model and build_parts read)."""
+    num_layers = spec["num_layers"]
+    return RunConfig(
+        model=ModelConfig(
+            dim=576, num_heads=9, num_layers=num_layers, ffn_dim=1536, moe_layers=[num_layers - 2, num_layers - 1]
+        ),
+        moe=MoEConfig(num_experts=2 * world_size, aux_loss_weight=0.01),
+        train=TrainConfig(lr=1e-4, weight_decay=0.01),
+        parallel=ParallelConfig(dense_sharding=spec["dense"], fsdp_reshard_after_forward=spec["reshard_after_forward"]),
     )
 
 
@@ -53,36 +63,23 @@ def _state_tensors(optimizer, params) -> List[torch.Tensor]:
 
 def rank_case(spec: Dict) -> Dict:
     """One rank: build, shard, train `steps` steps, report its memory and step times."""
-    from ..models.transformer import CausalLM
-    from ..parallel.expert_parallel import parallelize
-    from ..parallel.fsdp import plan_sharding, shard_dense, shard_experts
-    from ..parallel.grads import GradSync
     from ..parallel.reshard import dense_named_parameters
-    from ..train.optim import build_optimizer
 
     torch.set_num_threads(1)
-    groups = build_groups(0)
+    config = run_config(spec, torch.distributed.get_world_size())
     torch.manual_seed(0)
-    args = SimpleNamespace(**spec)
-    model = CausalLM(
-        _shape(args), MoEConfig(num_experts=2 * groups.world_size, aux_loss_weight=0.01), 49152, args.seq_len
+    model = build_model(config.model, config.moe, ModelNeeds("causal-lm", VOCAB, max_len=spec["seq_len"]))
+    parts = build_parts(config, model)
+    groups, shards, optimizer = parts.groups, parts.experts.shards, parts.optimizer
+    tokens = torch.randint(
+        0, VOCAB, (spec["batch_per_rank"], spec["seq_len"]), generator=torch.Generator().manual_seed(1)
     )
-    shards = parallelize(model, groups)
-    parallel = SimpleNamespace(
-        dense_sharding=args.dense, expert_sharding="replicate", fsdp_reshard_after_forward=args.reshard_after_forward
-    )
-    sharding = plan_sharding(parallel, groups, bf16=False)
-    shard_experts(shards, sharding)
-    shard_dense(model, shards, sharding)
-    optimizer = build_optimizer(model, SimpleNamespace(lr=1e-4, weight_decay=0.01, betas=(0.9, 0.999)))
-    sync = GradSync(model, groups)
-    tokens = torch.randint(0, 49152, (args.batch_per_rank, args.seq_len), generator=torch.Generator().manual_seed(1))
 
     def step() -> None:
         out = model(tokens[:, :-1])
         loss = F.cross_entropy(out.logits.flatten(0, 1), tokens[:, 1:].flatten()) + out.aux_loss
         loss.backward()
-        sync.sync(shards)
+        parts.grad_sync.sync(shards)
         optimizer.step()
 
     step()  # optimizer state exists from here on
@@ -95,7 +92,7 @@ def rank_case(spec: Dict) -> Dict:
     optimizer.zero_grad(set_to_none=True)
     peak = peak_rss_above_baseline_mb(step) if memory_supported() else None
     times = []
-    for _ in range(args.steps):
+    for _ in range(spec["steps"]):
         optimizer.zero_grad(set_to_none=True)
         barrier(groups, "bench memory step")
         started = time.perf_counter()

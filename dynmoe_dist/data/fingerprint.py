@@ -70,7 +70,8 @@ class DigestMemo:
 
 def tokenizer_files(tokenizer_path: str, field: str = "task.tokenizer") -> List[Path]:
     """The files that define the tokenizer: its files in a model directory, or the .gguf file itself."""
-    from ..models.hf.loading import TOKENIZER_FILES, resolve
+    from ..models.hf.loading import resolve
+    from .tokenizers import TOKENIZER_FILES
 
     directory, gguf_file = resolve(tokenizer_path, field)
     if gguf_file is not None:

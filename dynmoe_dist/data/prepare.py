@@ -118,7 +118,7 @@ def reuse(entry: Path, spec: CorpusSpec) -> TokenCorpus:
 
 @lru_cache(maxsize=2)
 def _tokenizer(path: str):
-    from ..models.hf.loading import load_tokenizer
+    from .tokenizers import load_tokenizer
 
     return load_tokenizer(path, "task.tokenizer")
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from ..config import TaskConfig
 from ..models.hf.minilm import HFSentenceClassifier, load_minilm
 from ..tasks import build_task
+from ..tasks.assets import minilm_dir
 
 
 @torch.no_grad()
@@ -50,7 +51,7 @@ def run(args) -> dict:
         )
     )
     built = time.perf_counter()
-    model = HFSentenceClassifier(load_minilm(num_layers=args.num_layers), task.num_classes).eval()
+    model = HFSentenceClassifier(load_minilm(minilm_dir(), args.num_layers), task.num_classes).eval()
     train_ND = embed_split(model, task.splits["train"], args.batch_size)
     test_ND = embed_split(model, task.splits["test"], args.batch_size)
     embedded = time.perf_counter()

@@ -375,8 +375,9 @@ def ffn_shape(config: RunConfig) -> Tuple[int, int]:
     """(D, F) of one expert / dense FFN: the model section's, or the pre-trained MiniLM block's."""
     if config.task.name == "minilm-sentiment":
         from ..models.hf.minilm import ffn_shape as pretrained_ffn_shape
+        from ..tasks.assets import minilm_dir
 
-        return pretrained_ffn_shape()
+        return pretrained_ffn_shape(minilm_dir())
     return config.model.dim, config.model.ffn_dim
 
 

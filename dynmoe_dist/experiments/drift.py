@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..config import RunConfig
+from ..models.build import build_model
 from ..models.hf.adapters import find_mlps
 from ..tasks import build_task
 from ..train.checkpoint import (
@@ -34,6 +35,7 @@ from ..train.checkpoint import (
     read_checkpoint_dense,
     read_checkpoint_experts,
     read_checkpoint_meta,
+    saved_expert_counts,
 )
 
 Flat = torch.Tensor  # one MLP's parameters, flattened in name order
@@ -78,7 +80,7 @@ def mlp_params(model: torch.nn.Module, blocks: Sequence[int], where: str) -> Dic
 def dense_model(run: RunConfig, params: Optional[Dict[str, torch.Tensor]] = None) -> torch.nn.Module:
     """The run's model with no MoE layer: pre-trained weights, or ``params`` (a dense run's dense state)."""
     no_moe = dataclasses.replace(run, model=dataclasses.replace(run.model, moe_layers=[]))
-    model = build_task(no_moe.task).build_model(no_moe)
+    model = build_model(no_moe.model, no_moe.moe, build_task(no_moe.task).model_needs())
     if params is not None:
         unexpected = model.load_state_dict(params, strict=False).unexpected_keys
         if unexpected:
@@ -108,7 +110,7 @@ def run_drift(run_dir: Path, blocks: Optional[Sequence[int]] = None, reference=N
     where = str(run_dir)
     reference = reference if reference is not None else mlp_params(dense_model(run), blocks, where)
     if moe_blocks:
-        counts = [int(n) for n in meta["num_experts"]]
+        counts = saved_expert_counts(meta)
         experts = read_checkpoint_experts(checkpoint)
         trained = {
             block: [experts[f"{index}/{e}"]["params"] for e in range(counts[index])]

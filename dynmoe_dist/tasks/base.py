@@ -1,9 +1,13 @@
-"""What the trainer needs from a task: indexed batches, a model, and a summed loss.
+"""What the trainer needs from a task: indexed batches, a summed loss, and what its model must fit.
 
 Every sample is addressed by its index in a split, so any rank can build any slice of a global batch
 and the batch order does not depend on the world size. Losses are *sums* over items; the trainer
 divides by the item count of the global batch, which makes the gradient independent of how the batch
 was split over ranks.
+
+Tasks do not build models: ``Task.model_needs()`` says what the task knows (its kind of model, class or
+vocabulary counts, lengths, the tokenizer it used), and ``models.build.build_model`` builds the model
+from the run's [model] and [moe] sections and those needs.
 """
 
 from __future__ import annotations
@@ -12,9 +16,26 @@ from dataclasses import dataclass
 from typing import Callable, Dict, FrozenSet, Iterable, Optional, Tuple
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class ModelNeeds:
+    """What a task hands the model builder (models/build.py reads it as its TaskNeeds protocol)."""
+
+    kind: str
+    """'token-classifier', 'image-classifier', 'minilm-classifier' or 'causal-lm'."""
+    num_outputs: int
+    """Classes of a classifier; the tokenizer's vocabulary of a causal LM."""
+    max_len: int = 0
+    """Tokens per sample (positions of a model built from scratch)."""
+    vocab_size: int = 0
+    """Token ids of the task's own vocabulary (a token classifier built from scratch)."""
+    image_size: int = 0
+    channels: int = 0
+    tokenizer: str = ""
+    """The pre-trained tokenizer the task used (a directory or .gguf file), if any."""
 
 
 @dataclass
@@ -65,8 +86,8 @@ class Task:
         correct = (logits.detach().argmax(-1) == targets).sum()
         return loss_sum, correct
 
-    def build_model(self, run_config) -> nn.Module:
-        raise NotImplementedError(f"task {self.name!r} must build its model")
+    def model_needs(self) -> ModelNeeds:
+        raise NotImplementedError(f"task {self.name!r} must say what its model needs")
 
 
 # Options whose effect depends on the task. Each task declares the ones it reads; setting any other
@@ -101,20 +122,27 @@ class TaskSpec:
     """The TASK_OPTIONS this task reads; None = not declared (no warnings about unread options)."""
     validate: Optional[Callable[..., None]] = None
     """validate(run_config): raise ValueError for settings the task cannot run, without loading data."""
+    model_kind: str = ""
+    """The ModelNeeds.kind of the task's model, known before any data is loaded (config-time checks)."""
 
 
 TASKS: Dict[str, Callable[..., Task]] = {}
 TASK_SPECS: Dict[str, TaskSpec] = {}
 
 
-def register(name: str, reads: Optional[Iterable[str]] = None, validate: Optional[Callable[..., None]] = None):
-    """Decorator of a task factory; `reads` and `validate` as in TaskSpec."""
+def register(
+    name: str,
+    model_kind: str,
+    reads: Optional[Iterable[str]] = None,
+    validate: Optional[Callable[..., None]] = None,
+):
+    """Decorator of a task factory; `model_kind`, `reads` and `validate` as in TaskSpec."""
     unknown = set(reads or ()) - TASK_OPTIONS
     assert not unknown, f"task {name!r} declares options outside TASK_OPTIONS: {sorted(unknown)}"
 
     def wrap(factory):
         TASKS[name] = factory
-        TASK_SPECS[name] = TaskSpec(factory, None if reads is None else frozenset(reads), validate)
+        TASK_SPECS[name] = TaskSpec(factory, None if reads is None else frozenset(reads), validate, model_kind)
         return factory
 
     return wrap

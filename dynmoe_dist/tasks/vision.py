@@ -15,10 +15,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..models.transformer import ViTClassifier
 from . import assets
-from .base import Task, register
-from .common import check_built_model, freeze_parameters, split_pool, subset_indices, take
+from .base import ModelNeeds, Task, register
+from .common import split_pool, subset_indices, take
 
 NUM_CLASSES = 10
 MNIST_SIDE = 28
@@ -51,8 +50,7 @@ def image_side() -> Tuple[int, str]:
 
 
 def validate(run_config) -> None:
-    """Shapes a ViT over this data can take: heads, and patches that tile the image."""
-    check_built_model(run_config)
+    """Patches that tile the image (the heads are the model builder's check)."""
     side, source = image_side()
     patch_size = run_config.model.patch_size
     if side % patch_size:
@@ -85,16 +83,13 @@ class VisionTask(Task):
         self.source = source
         self.image_size = splits["train"]["images_BCHW"].shape[-1]
 
-    def build_model(self, run_config) -> ViTClassifier:
-        model = ViTClassifier(
-            run_config.model, run_config.moe, image_size=self.image_size, channels=1, num_classes=NUM_CLASSES
-        )
-        freeze_parameters(model, run_config.model.freeze)
-        return model
+    def model_needs(self) -> ModelNeeds:
+        return ModelNeeds("image-classifier", NUM_CLASSES, image_size=self.image_size, channels=1)
 
 
 @register(
     "vit-mnist",
+    model_kind="image-classifier",
     validate=validate,
     reads=("task.test_fraction", "model.dim", "model.num_heads", "model.ffn_dim", "model.patch_size", "model.freeze"),
 )

@@ -7,13 +7,13 @@ change it): by default from 1/3 to 2/3 of every epoch, or of every ``period_step
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List
 
+from ..config import AdaptiveConfig
 from ..coordination import Coordinator, PlanRequest
-from ..parallel.fsdp import shard_experts, unshard_experts
-from ..parallel.migrate import apply_layer_plan
-from ..planning.planner import Plan, PlannerConfig
-from .optim import refresh_param_groups
+from ..planning.planner import LayerPlan, Plan, PlannerConfig
+from .experts import ExpertSet
+from .recorder import Recorders
 
 
 @dataclass(frozen=True)
@@ -43,73 +43,67 @@ class WindowSchedule:
 
 
 class AdaptiveController:
-    """Runs the window and its event for a Trainer; stateful for checkpoints (plan version, the
-    remembered discarded expert of each layer)."""
+    """Runs the window and its event: the recorders record, the coordinator plans from every rank's
+    statistics, the expert set applies the plan. Stateful for checkpoints (the plan version)."""
 
-    def __init__(self, trainer, coordinator: Coordinator):
-        self.trainer = trainer
+    def __init__(
+        self,
+        config: AdaptiveConfig,
+        steps_per_epoch: int,
+        experts: ExpertSet,
+        recorders: Recorders,
+        coordinator: Coordinator,
+    ):
+        self.config = config
+        self.steps_per_epoch = steps_per_epoch
+        self.schedule = WindowSchedule.build(config, steps_per_epoch)
+        self.experts = experts
+        self.recorders = recorders
         self.coordinator = coordinator
-        self.config = trainer.config.adaptive
-        self.schedule = WindowSchedule.build(self.config, trainer.schedule.steps_per_epoch)
         self.version = 0
-        self.discarded: List[Optional[list]] = [None] * len(trainer.moe_layers)
 
     # -- hooks around one optimizer step (step = 0-based index of the step being run) ------------------
     def before_step(self, step: int) -> None:
-        recorders = self.trainer.recorders
-        if self.schedule.recording(step) and not recorders.in_window:
-            recorders.start_window()
+        if self.schedule.recording(step) and not self.recorders.in_window:
+            self.recorders.start_window()
 
     def after_step(self, step: int) -> List[Dict]:
-        recorders = self.trainer.recorders
-        if not self.schedule.ends_at(step) or not len(recorders):
+        if not self.schedule.ends_at(step) or not len(self.recorders):
             return []
-        plan = self.coordinator.submit(self.request(step + 1), recorders.windows())
+        plan = self.coordinator.submit(self.request(step + 1), self.recorders.windows())
         return self.apply(plan)
 
     def request(self, step: int) -> PlanRequest:
-        shards = self.trainer.shards
+        layers = self.experts.layers
         return PlanRequest(
             version=self.version + 1,
             step=step,
-            placements=tuple(shard.placement for shard in shards),
-            configs=tuple(PlannerConfig(shard.layer.config, self.config) for shard in shards),
-            has_discarded=tuple(d is not None for d in self.discarded),
-            dims=tuple(shard.layer.config.dim for shard in shards),
+            placements=self.experts.placements,
+            configs=tuple(PlannerConfig(layer.config, self.config) for layer in layers),
+            has_discarded=self.experts.has_discarded,
+            dims=tuple(layer.config.dim for layer in layers),
         )
 
     # -- application ---------------------------------------------------------------------------------
     def apply(self, plan: Plan) -> List[Dict]:
-        t = self.trainer
-        events = []
-        unshard_experts(t.shards, t.sharding, t.optimizer)  # plans move and combine whole experts
-        for lp in plan.layers:
-            before = t.shards[lp.layer]
-            t.shards[lp.layer], self.discarded[lp.layer] = apply_layer_plan(
-                lp, before, t.optimizer, t.groups, self.discarded[lp.layer]
-            )
-            if lp.changes_experts() or lp.placement != before.placement:
-                events.append(self.event_record(plan, lp))
-        shard_experts(t.shards, t.sharding, t.optimizer)
-        refresh_param_groups(t.optimizer, t.model)
-        t.recorders.end_window()
+        changed = self.experts.apply_plan(plan)
+        self.recorders.end_window()
         self.version = plan.version
-        return events
+        return [self.event_record(plan, lp) for lp in changed]
 
     # -- checkpointed state --------------------------------------------------------------------------
     def state_dict(self) -> Dict:
-        return {"version": self.version, "discarded": list(self.discarded)}
+        return {"version": self.version}
 
     def load_state_dict(self, state: Dict) -> None:
         self.version = int(state["version"])
-        self.discarded = list(state["discarded"]) or [None] * len(self.trainer.moe_layers)
 
-    def event_record(self, plan: Plan, lp) -> Dict:
+    def event_record(self, plan: Plan, lp: LayerPlan) -> Dict:
         first_added = len(lp.kept)
         return {
             "kind": "event",
             "step": plan.step,
-            "epoch": plan.step / self.trainer.schedule.steps_per_epoch,
+            "epoch": plan.step / self.steps_per_epoch,
             "layer": lp.layer,
             "removed": list(lp.removed),
             "added": [{"expert": first_added + i, "init": spec.init} for i, spec in enumerate(lp.added)],

@@ -15,27 +15,18 @@ from typing import Dict, List
 import torch
 
 from ..config import RunConfig
-from ..moe.layer import MoELayer, find_moe_layers
-from ..parallel.blocks import apply_activation_checkpointing
-from ..parallel.expert_parallel import parallelize
-from ..parallel.fsdp import plan_sharding, shard_dense, shard_experts
-from ..parallel.grads import GradSync
-from ..parallel.groups import (
-    ParallelGroups,
-    check_same_everywhere,
-    current_world_size,
-    init_groups,
-    resolve_ep_size,
-    sum_over_ranks,
-)
-from ..parallel.shard import LayerShard
+from ..models.build import build_model
+from ..moe.layer import MoELayer
+from ..parallel.groups import ParallelGroups, current_world_size, sum_over_ranks
+from ..parallel.reshard import dense_named_parameters
 from ..planning.packing import rank_loads as rank_loads_of
 from ..tasks import build_task
+from .checkpoint import CheckpointManager, Part
+from .checkpoint_parts import DenseFiles, ExpertFiles
 from .data import BatchSchedule, eval_ranges, shard
-from .optim import build_optimizer, set_lr
+from .optim import set_lr
+from .parts import DTYPES, TrainParts, build_parts
 from .recorder import Recorders
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bf16": torch.float32}
 
 
 class StepTotals:
@@ -52,11 +43,14 @@ class StepTotals:
 
 
 class Trainer:
+    """The task, the batch schedule, the parts that train the model (``TrainParts``), the recorders, and
+    the step: one optimizer step at a time, evaluation, and the loop's own checkpointed state."""
+
     def __init__(self, config: RunConfig):
         self.config = config
         if config.train.threads:
             torch.set_num_threads(config.train.threads)
-        self.world_size = current_world_size()
+        world_size = current_world_size()
         # Everything checkable without communication is checked before the first collective.
         self.task = build_task(config.task)
         self.schedule = BatchSchedule(
@@ -67,33 +61,49 @@ class Trainer:
             config.train.max_steps,
             config.train.seed,
         )
-        self.schedule.check_world(self.world_size)
-        self.eval_ranges = eval_ranges(self.task.size("test"), config.train.global_batch_size, self.world_size)
+        self.schedule.check_world(world_size)
+        self.eval_ranges = eval_ranges(self.task.size("test"), config.train.global_batch_size, world_size)
         torch.manual_seed(config.train.seed)
-        self.model = self.task.build_model(config)
-        if config.train.activation_checkpointing == "block":
-            apply_activation_checkpointing(self.model)  # fails here, before any collective, without blocks
-        self.moe_layers: List[MoELayer] = [layer for _, layer in find_moe_layers(self.model)]
-        self._check_experts_fit(resolve_ep_size(config.parallel.ep_size, self.world_size))
-        self.groups: ParallelGroups = init_groups(config.parallel)
-        check_same_everywhere(config.digest(), self.groups, "config hash")
-        self.model.to(self.groups.device, DTYPES[config.train.precision])
-        # The one record of where each layer's experts live; plans and resumes replace its entries.
-        self.shards: List[LayerShard] = parallelize(self.model, self.groups)
-        # FSDP after expert parallelism; experts first, as they sit inside the blocks.
-        self.sharding = plan_sharding(config.parallel, self.groups, bf16=config.train.precision == "bf16")
-        shard_experts(self.shards, self.sharding)
-        shard_dense(self.model, self.shards, self.sharding)
-        self.optimizer = build_optimizer(self.model, config.train)
-        self.grad_sync = GradSync(self.model, self.groups, experts_sharded=self.sharding.experts)
-        self.recorders = Recorders(self.moe_layers)
+        self.parts: TrainParts = build_parts(config, build_model(config.model, config.moe, self.task.model_needs()))
+        self.recorders = Recorders(self.parts.experts.layers, self.parts.groups)
         self.step = 0
-        self.is_rank0 = self.groups.rank == 0
 
-    def _check_experts_fit(self, ep_size: int) -> None:
-        for index, layer in enumerate(self.moe_layers):
-            if layer.num_experts < ep_size:
-                raise ValueError(f"MoE layer {index}: num_experts ({layer.num_experts}) < ep_size ({ep_size})")
+    # -- read-only views of the parts --------------------------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.parts.model
+
+    @property
+    def groups(self) -> ParallelGroups:
+        return self.parts.groups
+
+    @property
+    def moe_layers(self) -> List[MoELayer]:
+        return self.parts.experts.layers
+
+    @property
+    def world_size(self) -> int:
+        return self.parts.groups.world_size
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.parts.groups.rank == 0
+
+    def checkpoint_manager(self, adaptive=None) -> CheckpointManager:
+        """The run's checkpoints: this loop, the expert set, the dense state, the recorders and, with
+        adaptive experts on, the controller, as named parts."""
+        parts = self.parts
+        states: Dict[str, Part] = {
+            "trainer": self,
+            "experts": ExpertFiles(parts.experts, parts.groups),
+            "dense": DenseFiles(
+                lambda: dense_named_parameters(parts.model, parts.experts.shards), parts.optimizer, parts.groups
+            ),
+            "recorders": self.recorders,
+        }
+        if adaptive is not None:
+            states["adaptive"] = adaptive
+        return CheckpointManager(self.config, parts.groups, states)
 
     # -- one optimizer step ------------------------------------------------------------------------
     def autocast(self):
@@ -128,12 +138,13 @@ class Trainer:
         totals = StepTotals(self.groups.device)
         for micro in range(self.config.train.grad_accum):
             self.forward_backward(self.schedule.micro_indices(self.step, micro), totals)
-        self.grad_sync.sync(self.shards)
+        parts, shards = self.parts, self.parts.experts.shards
+        parts.grad_sync.sync(shards)
         clip = self.config.train.grad_clip
-        grad_norm = self.grad_sync.clip(self.shards, clip) if clip > 0 else None
-        lr = set_lr(self.optimizer, self.step, self.config.train, self.schedule.total_steps)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = parts.grad_sync.clip(shards, clip) if clip > 0 else None
+        lr = set_lr(parts.optimizer, self.step, self.config.train, self.schedule.total_steps)
+        parts.optimizer.step()
+        parts.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         record = self._step_record(totals, time.perf_counter() - started, lr)
         if grad_norm is not None:
@@ -167,7 +178,8 @@ class Trainer:
     def _layer_metrics(self, flat: List[float], seconds: float, items: float) -> Dict:
         num_experts, mean_k, loads, rank_loads, replicas = [], [], [], [], []
         offset, tokens = 0, items
-        for index, (layer, shard_) in enumerate(zip(self.moe_layers, self.shards)):
+        for index, shard_ in enumerate(self.parts.experts.shards):
+            layer = shard_.layer
             e = layer.num_experts
             layer_tokens, k_sum, counts = flat[offset], flat[offset + 1], flat[offset + 2 : offset + 2 + e]
             offset += 2 + e

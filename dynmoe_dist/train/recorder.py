@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ..moe.layer import MoELayer
 from ..moe.routing import Routing
+from ..parallel.groups import ParallelGroups, sum_over_ranks
 from ..planning.stats import WindowStats
 
 
@@ -55,12 +56,14 @@ class LayerRecorder:
 class Recorders:
     """The recorders of all MoE layers, in layer order: per-step counts, and the adaptive window.
 
-    Stateful for checkpoints: ``state_dict()`` is this rank's partial window (flat, float64) or None
-    outside a window; the checkpoint sums it over ranks and hands the sum back to one rank on resume.
+    Stateful for checkpoints: ``state_dict()`` is the window's statistics so far summed over all ranks
+    (flat, float64; collective) or None outside a window. Statistics are plain sums, so a resume on any
+    world size hands the sum to rank 0 and zeros to the others, and the window's end sums them again.
     """
 
-    def __init__(self, layers: List[MoELayer]):
+    def __init__(self, layers: List[MoELayer], groups: ParallelGroups):
         self.recorders = [_attach(layer) for layer in layers]
+        self.groups = groups
 
     def __iter__(self) -> Iterator[LayerRecorder]:
         return iter(self.recorders)
@@ -97,16 +100,21 @@ class Recorders:
         return torch.cat([r.step_vector() for r in self.recorders]) if self.recorders else torch.zeros(0)
 
     def state_dict(self) -> Dict[str, Optional[Tensor]]:
+        """The open window's statistics summed over ranks (every rank calls it: it is an all-reduce)."""
         if not self.recorders or not self.in_window:
             return {"window": None}
-        return {"window": torch.cat([w.to_flat() for w in self.windows()])}
+        flat = torch.cat([w.to_flat() for w in self.windows()]).cpu()
+        return {"window": sum_over_ranks(flat, self.groups, "checkpoint window statistics all_reduce")}
 
     def load_state_dict(self, state: Dict[str, Optional[Tensor]]) -> None:
-        """Restore a window (sized for the layers as they are now); None means outside a window."""
+        """Restore a window (sized for the layers as they are now); None means outside a window. The sum
+        goes to rank 0, the others start from zeros (the window's end sums them again)."""
         self.end_window()
         flat = state.get("window")
         if flat is None:
             return
+        if self.groups.rank != 0:
+            flat = torch.zeros_like(flat)
         offset = 0
         for recorder in self.recorders:
             recorder.start_window()

@@ -17,6 +17,17 @@ from .startup import resolve_optional_features
 from .telemetry import Telemetry
 
 
+def adaptive_controller(trainer: Trainer, coordinator) -> AdaptiveController:
+    """The adaptive controller of the trainer's expert set and recorders."""
+    return AdaptiveController(
+        trainer.config.adaptive,
+        trainer.schedule.steps_per_epoch,
+        trainer.parts.experts,
+        trainer.recorders,
+        coordinator,
+    )
+
+
 def make_coordinator(trainer: Trainer, factory: Optional[Callable] = None):
     """The Ray entry point (dynmoe_dist.cluster) injects a factory for its actor-backed coordinator;
     'auto' means that one when given, collectives otherwise. train/ never imports Ray itself."""
@@ -66,12 +77,9 @@ def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factor
     started = time.perf_counter()
     config = resolve_optional_features(config)  # idempotent: the CLI has done it already
     trainer = trainer or Trainer(config)
-    from .checkpoint import CheckpointManager
-
-    adaptive = (
-        AdaptiveController(trainer, make_coordinator(trainer, coordinator_factory)) if config.adaptive.enabled else None
-    )
-    checkpoints = CheckpointManager(trainer, adaptive)
+    enabled = config.adaptive.enabled
+    adaptive = adaptive_controller(trainer, make_coordinator(trainer, coordinator_factory)) if enabled else None
+    checkpoints = trainer.checkpoint_manager(adaptive)
     if checkpoints.resume(config.output.resume) is None and trainer.is_rank0:
         archive_previous_run(Path(config.output.out_dir))
     total = trainer.schedule.total_steps
@@ -93,7 +101,7 @@ def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factor
             if config.train.eval_every and trainer.step % config.train.eval_every == 0 and trainer.step < total:
                 telemetry.log({"kind": "eval", "step": trainer.step, "epoch": record["epoch"], **trainer.evaluate()})
             if out.checkpoint_every and trainer.step % out.checkpoint_every == 0:
-                checkpoints.save()
+                checkpoints.save(trainer.step)
             maybe_crash(config, trainer)
         final = {
             "kind": "final",
@@ -105,7 +113,7 @@ def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factor
         }
         telemetry.log(final)
     if out.final_checkpoint:
-        checkpoints.save()
+        checkpoints.save(trainer.step)
     if trainer.is_rank0 and out.report:
         final["report"] = str(draw_run_report(Path(out.out_dir)))
     barrier(trainer.groups, "end of run")

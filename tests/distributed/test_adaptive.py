@@ -26,11 +26,11 @@ def _config(ep_size):
 
 def _trainer(ep_size):
     from dynmoe_dist.coordination import CollectiveCoordinator
-    from dynmoe_dist.train.adaptive import AdaptiveController
     from dynmoe_dist.train.loop import Trainer
+    from dynmoe_dist.train.run import adaptive_controller
 
     trainer = Trainer(_config(ep_size))
-    adaptive = AdaptiveController(trainer, CollectiveCoordinator(trainer.groups))
+    adaptive = adaptive_controller(trainer, CollectiveCoordinator(trainer.groups))
     layer0, layer1 = trainer.moe_layers
     with torch.no_grad():
         layer0.router.threshold[1] = 10.0  # expert 1 of layer 0 is never chosen: removed at the first event
@@ -64,10 +64,10 @@ def _hand_plan(ep_size, version=1, step=3):
 
 
 def _expert_state(trainer, layer_index, expert):
-    for e, module in trainer.shards[layer_index].local_modules():
+    for e, module in trainer.parts.experts.shards[layer_index].local_modules():
         if e == expert:
             return {
-                n: (p.detach().clone(), {k: v.clone() for k, v in trainer.optimizer.state.get(p, {}).items()})
+                n: (p.detach().clone(), {k: v.clone() for k, v in trainer.parts.optimizer.state.get(p, {}).items()})
                 for n, p in module.named_parameters()
             }
     return None

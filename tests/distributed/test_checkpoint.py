@@ -38,16 +38,16 @@ def full_run(out_dir):
 def partial_run(out_dir):
     """Train to SAVE_AT with the adaptive hooks and write a checkpoint there (then 'crash')."""
     from dynmoe_dist.coordination import CollectiveCoordinator
-    from dynmoe_dist.train.adaptive import AdaptiveController
-    from dynmoe_dist.train.checkpoint import CheckpointManager
-    from dynmoe_dist.train.run import step_once
+    from dynmoe_dist.train.run import adaptive_controller, step_once
 
     trainer = tweaked_trainer(_config(out_dir))
-    adaptive = AdaptiveController(trainer, CollectiveCoordinator(trainer.groups))
+    adaptive = adaptive_controller(trainer, CollectiveCoordinator(trainer.groups))
     for _ in range(SAVE_AT):
         step_once(trainer, adaptive)
     assert trainer.recorders[0].window is not None, "the checkpoint must fall inside a window"
-    return str(CheckpointManager(trainer, adaptive).save()), [layer.num_experts for layer in trainer.moe_layers]
+    return str(trainer.checkpoint_manager(adaptive).save(trainer.step)), [
+        layer.num_experts for layer in trainer.moe_layers
+    ]
 
 
 def resumed_run(out_dir, checkpoint, ep_size):
@@ -99,7 +99,7 @@ def test_resume_on_another_world_size_matches_uninterrupted(reference, checkpoin
 
 def resume_and_report(out_dir, checkpoint, ep_size):
     """Resume (no training) and report the placements in force and the expert files this rank read."""
-    from dynmoe_dist.train import checkpoint as ckpt
+    from dynmoe_dist.train import checkpoint_parts as ckpt
     from dynmoe_dist.train.loop import Trainer
 
     opened = []
@@ -112,11 +112,11 @@ def resume_and_report(out_dir, checkpoint, ep_size):
     ckpt.load_file = recording
     try:
         trainer = Trainer(_config(out_dir, ep_size=ep_size))
-        ckpt.CheckpointManager(trainer).resume(checkpoint)
+        trainer.checkpoint_manager().resume(checkpoint)
     finally:
         ckpt.load_file = original
     return (
-        [shard.placement.to_lists() for shard in trainer.shards],
+        [shard.placement.to_lists() for shard in trainer.parts.experts.shards],
         sorted(n for n in opened if n.startswith("experts")),
         trainer.groups.ep_rank,
         trainer.step,
@@ -130,7 +130,7 @@ def test_resume_at_the_same_ep_size_keeps_the_saved_placement(checkpoint, tmp_pa
 
     path, _ = checkpoint
     meta = torch.load(f"{path}/meta.pt", weights_only=True)
-    saved = [Placement.from_lists(json.loads(p)) for p in meta["placements"]]
+    saved = [Placement.from_lists(json.loads(p)) for p in meta["states"]["experts"]["placements"]]
     assert any(p != Placement.default(p.num_experts, 2) for p in saved), "the saved layout must not be the default"
     results = run_simulated(resume_and_report, 2, args=(str(tmp_path), path, 2), timeout_s=300)
     for placements, opened, ep_rank, step in results:

@@ -45,7 +45,7 @@ def train(out_dir, dense, ep_size, resume=""):
     checkpoint), counting whole-tensor gathers inside the dense save and load."""
     from torch.distributed.tensor import DTensor
 
-    from dynmoe_dist.train import checkpoint
+    from dynmoe_dist.train import checkpoint_parts as checkpoint
     from dynmoe_dist.train.run import run
 
     gathers = {"save": 0, "load": 0}
@@ -84,7 +84,7 @@ def die_in_second_save(out_dir):
     import torch.distributed as dist
     from torch.distributed.checkpoint import filesystem
 
-    from dynmoe_dist.train import checkpoint
+    from dynmoe_dist.train import checkpoint_parts as checkpoint
 
     saves, real_save, real_write = [], checkpoint.save_dense, filesystem._write_item
 

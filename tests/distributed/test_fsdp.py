@@ -39,15 +39,15 @@ def _config(dense="replicate", experts="replicate", ep_size=0, extra=()):
 
 def _trainer(config):
     from dynmoe_dist.coordination import CollectiveCoordinator
-    from dynmoe_dist.train.adaptive import AdaptiveController
     from dynmoe_dist.train.loop import Trainer
+    from dynmoe_dist.train.run import adaptive_controller
 
     trainer = Trainer(config)
     layer0, layer1 = trainer.moe_layers
     with torch.no_grad():
         layer0.router.threshold[1] = 10.0  # never chosen: removed at the first event
         layer1.router.threshold.fill_(0.35)  # tokens find no expert: one is added
-    return trainer, AdaptiveController(trainer, CollectiveCoordinator(trainer.groups))
+    return trainer, adaptive_controller(trainer, CollectiveCoordinator(trainer.groups))
 
 
 def adaptive_run(dense, experts, ep_size, extra=()):
@@ -62,7 +62,7 @@ def adaptive_run(dense, experts, ep_size, extra=()):
         losses.append(record["loss"])
         counts.append(record["num_experts"])
         events += [e for e in new if e["removed"] or e["added"] or e["replicas"]]
-    dense = [p for _, p in dense_named_parameters(trainer.model, trainer.shards) if is_sharded(p)]
+    dense = [p for _, p in dense_named_parameters(trainer.model, trainer.parts.experts.shards) if is_sharded(p)]
     dense_local, dense_total = sum(local(p).numel() for p in dense), sum(p.numel() for p in dense)
     return dict(losses=losses, counts=counts, events=len(events), dense_local=dense_local, dense_total=dense_total)
 

@@ -24,7 +24,6 @@ def probe_ids():
 
 
 def hf_worker(model_dir, text_file, out_dir, world):
-    from dynmoe_dist.train.checkpoint import CheckpointManager
     from dynmoe_dist.train.loop import Trainer
 
     config = load_config(
@@ -32,7 +31,7 @@ def hf_worker(model_dir, text_file, out_dir, world):
     )
     trainer = Trainer(config)
     adaptive, losses, counts, events = train_recorded(trainer, STEPS)
-    checkpoint = CheckpointManager(trainer, adaptive).save()
+    checkpoint = trainer.checkpoint_manager(adaptive).save(trainer.step)
     test_loss = trainer.evaluate()["test_loss"]
     trainer.model.eval()
     with torch.no_grad():  # every rank runs the same input: the expert-parallel forward, in eval mode
@@ -124,9 +123,9 @@ def test_exports_of_every_world_are_the_same_model(world, reference, tmp_path):
 
 def test_three_rank_round_trip_equals_the_trained_model(files, runs_dir, tmp_path):
     """3 ranks, experts removed and added: export -> from_pretrained computes the trained model's logits."""
+    from dynmoe_dist.data.tokenizers import load_tokenizer
     from dynmoe_dist.export import export
     from dynmoe_dist.hf import from_pretrained, moe_blocks
-    from dynmoe_dist.models.hf.loading import load_tokenizer
 
     results = _cluster(3, *files, str(runs_dir))
     out = export(results[0]["checkpoint"], tmp_path / "exported")

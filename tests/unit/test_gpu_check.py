@@ -157,3 +157,31 @@ def test_plain_checkout_runs_and_imports_only_what_the_gpu_machine_has(tmp_path)
     assert seen["dynmoe_dist"] == str(ROOT / "dynmoe_dist" / "__init__.py")
     assert set(seen["new"]) <= set(seen["allowed"]), sorted(set(seen["new"]) - set(seen["allowed"]))
     assert (tmp_path / "gpu_check.json").is_file() and (tmp_path / "gpu_check.md").is_file()
+
+
+def test_a_section_whose_function_is_missing_fails_the_import(monkeypatch):
+    """Sections name their functions directly: deleting one makes importing the sections an error
+    (the hf_smollm2 section used to probe for a function that existed nowhere, and always skipped)."""
+    import importlib
+    import inspect
+
+    from dynmoe_dist.bench import gpu_runner
+    from dynmoe_dist.bench import hf as hf_bench
+
+    assert all(
+        inspect.isfunction(s.run) and s.run.__module__.startswith("dynmoe_dist.bench") for s in gpu_sections.SECTIONS
+    )
+    with pytest.raises(TypeError, match=r"section 'x': run \(None\) is not a function"):
+        gpu_runner.Section("x", None, 5)
+    monkeypatch.delattr(hf_bench, "gpu_step_tokens_per_s")
+    with pytest.raises(AttributeError, match="gpu_step_tokens_per_s"):
+        importlib.reload(gpu_sections)
+    monkeypatch.undo()
+    importlib.reload(gpu_sections)
+
+
+def test_the_hf_section_times_a_training_step_on_cpu_in_rehearsal():
+    from dynmoe_dist.bench import hf as hf_bench
+
+    result = hf_bench.gpu_step_tokens_per_s({"device": "cpu", "rehearsal": True})
+    assert result["tokens_per_s"] > 0 and len(result["step_s"]) == hf_bench.REHEARSAL_CASE["steps"]

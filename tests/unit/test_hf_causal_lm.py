@@ -17,6 +17,14 @@ from dynmoe_dist.tasks import build_task  # noqa: E402
 from dynmoe_dist.tasks.causal_lm import CausalLMTask  # noqa: E402
 
 
+def model_of(config, task=None):
+    """The run's model as the trainer builds it: models/build.py from [model] + [moe] and the task's needs."""
+    from dynmoe_dist.models.build import build_model
+
+    task = task if task is not None else build_task(config.task)
+    return build_model(config.model, config.moe, task.model_needs())
+
+
 def config_for(model_dir, text_file, *extra):
     return load_config(
         None,
@@ -33,7 +41,7 @@ def config_for(model_dir, text_file, *extra):
 
 def test_windows_hand_worked(model_dir, tmp_path):
     from dynmoe_dist.data import CorpusSpec, open_corpus
-    from dynmoe_dist.models.hf.loading import load_tokenizer
+    from dynmoe_dist.data.tokenizers import load_tokenizer
 
     tok = load_tokenizer(str(model_dir))
     ids = {w: tok.convert_tokens_to_ids(w) for w in ("the", "cat", "dog", "<eos>")}
@@ -91,7 +99,7 @@ def test_loss_sums_are_world_size_invariant(model_dir, text_file):
     config = config_for(model_dir, text_file)
     task = build_task(config.task)
     torch.manual_seed(0)
-    model = task.build_model(config).eval()
+    model = model_of(config, task).eval()
     indices = torch.arange(6)
     batch = task.batch("train", indices)
     with torch.no_grad():
@@ -134,14 +142,14 @@ def test_missing_directory(tmp_path, text_file, model_dir):
     config.model.path = str(tmp_path / "nope")
     task = build_task(config.task)
     with pytest.raises(ValueError, match=r"model.path \('.*nope'\) does not exist"):
-        task.build_model(config)
+        model_of(config, task)
 
 
 def test_directory_without_config_json(tmp_path, text_file, model_dir):
     config = config_for(model_dir, text_file)
     config.model.path = str(tmp_path)
     with pytest.raises(ValueError, match=r"model.path \('.*'\) has no config.json"):
-        build_task(config.task).build_model(config)
+        model_of(config)
 
 
 def test_gguf_that_does_not_parse(tmp_path, text_file, model_dir):
@@ -151,7 +159,7 @@ def test_gguf_that_does_not_parse(tmp_path, text_file, model_dir):
     config = config_for(model_dir, text_file)
     config.model.path = str(bad)
     with pytest.raises(ValueError, match=r"model.path \('.*model.gguf'\) is not a readable GGUF file"):
-        build_task(config.task).build_model(config)
+        model_of(config)
 
 
 def test_architecture_without_known_mlp(tmp_path, text_file, model_dir):
@@ -160,7 +168,7 @@ def test_architecture_without_known_mlp(tmp_path, text_file, model_dir):
     config = config_for(model_dir, text_file, "model.moe_layers=[0]")
     config.model.path = str(tmp_path)
     with pytest.raises(ValueError, match=r"GPTNeoXForCausalLM: no dense MLP of a known architecture.*supported"):
-        build_task(config.task).build_model(config)
+        model_of(config)
 
 
 def test_num_layers_comes_from_the_model(model_dir, text_file):
@@ -182,7 +190,7 @@ def test_the_built_model_is_checked_against_num_layers_too(model_dir, text_file)
     config = config_for(model_dir, text_file)
     config.model.num_layers = 4  # set after the loader checked it
     with pytest.raises(ValueError, match=r"model.num_layers \(4\) != the 3 blocks of LlamaForCausalLM"):
-        build_task(config.task).build_model(config)
+        model_of(config)
 
 
 def test_missing_tokenizer(tmp_path, text_file):
@@ -231,5 +239,8 @@ def test_load_config_checks_what_it_can_without_loading(model_dir, text_file, tm
 def test_options_the_run_ignores_are_named():
     from dynmoe_dist.train.startup import ignored_options
 
-    builtin = load_config(None, ["model.source='hf'", "model.path='x'"])  # task 'synthetic' builds its own model
-    assert {m.split(" ")[0] for m in ignored_options(builtin)} == {"model.source", "model.path"}
+    builtin = load_config(None, ["model.path='x'"])  # task 'synthetic' builds its model from [model]
+    assert {m.split(" ")[0] for m in ignored_options(builtin)} == {"model.path"}
+    # a source that cannot build the task's model is an error, not a warning
+    with pytest.raises(ValueError, match=r"model.source \('hf'\) cannot build a token-classifier model; use one of"):
+        load_config(None, ["model.source='hf'", "model.path='x'"])

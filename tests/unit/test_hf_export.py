@@ -13,9 +13,9 @@ import torch  # noqa: E402
 from hf_tiny import NUM_LAYERS, corpus_lines, save_llama, save_tokenizer  # noqa: E402
 
 from dynmoe_dist.config import load_config  # noqa: E402
+from dynmoe_dist.data.tokenizers import load_tokenizer  # noqa: E402
 from dynmoe_dist.export import export, main  # noqa: E402
 from dynmoe_dist.hf import MoEBlock, from_pretrained, moe_blocks  # noqa: E402
-from dynmoe_dist.models.hf.loading import load_tokenizer  # noqa: E402
 from dynmoe_dist.moe.layer import find_moe_layers  # noqa: E402
 
 
@@ -138,21 +138,22 @@ def test_export_rejects_a_non_checkpoint_and_a_builtin_run(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(tmp_path), "--out", str(tmp_path / "out")])
     assert "is not a checkpoint directory" in capsys.readouterr().err
-    from dynmoe_dist.train.checkpoint import atomic_save
+    from dynmoe_dist.train.checkpoint import FORMAT
+    from dynmoe_dist.train.checkpoint_parts import atomic_save
 
     config = load_config(None, [])
-    atomic_save({"config": json.dumps(config.to_dict(), default=list)}, tmp_path / "meta.pt")
+    meta = {"format": FORMAT, "step": 1, "config": json.dumps(config.to_dict(), default=list), "states": {}}
+    atomic_save(meta, tmp_path / "meta.pt")
     with pytest.raises(ValueError, match=r"model.source \('builtin'\); only 'hf' runs export"):
         export(tmp_path, tmp_path / "out")
 
 
 def test_resume_restores_the_grown_model(trained):
-    from dynmoe_dist.train.checkpoint import CheckpointManager
     from dynmoe_dist.train.loop import Trainer
 
     trainer, _, checkpoint, _ = trained
     fresh = Trainer(trainer.config)  # built with moe.num_experts = 2 per layer
-    CheckpointManager(fresh).resume(str(checkpoint))
+    fresh.checkpoint_manager().resume(str(checkpoint))
     assert [m.num_experts for m in fresh.moe_layers] == [m.num_experts for m in trainer.moe_layers]
     assert fresh.step == trainer.step
     ids = torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(2))

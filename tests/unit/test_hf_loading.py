@@ -73,8 +73,8 @@ def test_a_bert_tokenizer_next_to_a_qwen2_model_stays_wordpiece(tmp_path):
 
     import transformers as tf
 
-    from dynmoe_dist.models.hf.loading import load_tokenizer
-    from dynmoe_dist.models.hf.minilm import minilm_dir
+    from dynmoe_dist.data.tokenizers import load_tokenizer
+    from dynmoe_dist.tasks.assets import minilm_dir
 
     tf.Qwen2Config(vocab_size=64).save_pretrained(tmp_path)  # the config is what picks the tokenizer class
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):

@@ -47,8 +47,9 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: Path, source: str = None, module: str = None):
-    """Absolute names of everything the file imports, relative imports resolved."""
+def _imports(path: Path, source: str = None, module: str = None, with_names: bool = False):
+    """Absolute names of everything the file imports, relative imports resolved; ``with_names`` adds
+    `pkg.name` for every `from pkg import name` (name may be a module)."""
     tree = ast.parse(source if source is not None else path.read_text(), filename=str(path))
     package = (module or _module_name(path)).split(".")
     if path.name != "__init__.py":
@@ -60,7 +61,7 @@ def _imports(path: Path, source: str = None, module: str = None):
             base = package[: len(package) - node.level + 1] if node.level else []
             module = ".".join(base + ([node.module] if node.module else []))
             yield module
-            if node.module is None:  # `from . import x`: x is a module of the package
+            if node.module is None or with_names:  # `from . import x`: x is a module of the package
                 yield from (f"{module}.{alias.name}" for alias in node.names)
 
 
@@ -165,4 +166,125 @@ def test_nothing_imports_kernels_bare():
     for folder in PACKAGES + ["tests"]:
         for path in _files(folder):
             offenders += [str(path.relative_to(ROOT)) for n in _imports(path) if n.split(".")[0] == "kernels"]
+    assert not offenders, offenders
+
+
+# -- the training wing's rules (docs/architecture.md) ---------------------------------------------------
+# What code outside train/ may use of a Trainer: its methods and read-only views. Its state (step, the
+# parts, the recorders) changes only through train_step() and load_state_dict().
+TRAINER_API = {
+    "train_step",
+    "evaluate",
+    "checkpoint_manager",
+    "state_dict",
+    "step",
+    "schedule",
+    "config",
+    "task",
+    "model",
+    "groups",
+    "moe_layers",
+    "world_size",
+    "is_rank0",
+    "parts",
+    "recorders",
+}
+TRAINER_NAMES = {"trainer", "Trainer"}
+
+
+def _trainer_uses(tree):
+    """(line, attribute, is_store) of every `trainer.<attribute>` in a module."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "trainer":
+            yield node.lineno, node.attr, isinstance(node.ctx, ast.Store)
+
+
+def trainer_offences(path: Path, source: str = None):
+    tree = ast.parse(source if source is not None else path.read_text())
+    return [
+        f"{path.relative_to(ROOT)}:{line} {'writes' if store else 'reads'} trainer.{attr}"
+        for line, attr, store in _trainer_uses(tree)
+        if store or attr not in TRAINER_API
+    ]
+
+
+def test_nothing_outside_train_touches_the_trainers_state():
+    outside = [p for p in _all_files() if layer_of(_module_name(p)) != "train"]
+    offenders = [line for path in outside for line in trainer_offences(path)]
+    assert not offenders, offenders
+
+
+def test_the_trainer_check_catches_writes_and_internals():
+    here = ROOT / "dynmoe_dist" / "bench" / "adapt.py"
+    planted = "trainer.step = 3\nx = trainer._secret\ny = trainer.train_step()\n"
+    assert trainer_offences(here, planted) == [
+        "dynmoe_dist/bench/adapt.py:1 writes trainer.step",
+        "dynmoe_dist/bench/adapt.py:2 reads trainer._secret",
+    ]
+
+
+# The parts of the training wing that are given what they work on, never the trainer.
+TRAINER_FREE = ("adaptive.py", "checkpoint.py", "checkpoint_parts.py", "experts.py", "parts.py", "dense_state.py")
+
+
+def test_checkpoints_adaptive_events_and_the_expert_set_never_see_the_trainer():
+    offenders = []
+    for name in TRAINER_FREE:
+        path = ROOT / "dynmoe_dist" / "train" / name
+        tree = ast.parse(path.read_text())
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+            n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)
+        }
+        offenders += [f"train/{name}: {n}" for n in sorted(names & TRAINER_NAMES)]
+        offenders += [f"train/{name} imports {m}" for m in _imports(path) if m.endswith("train.loop")]
+    assert not offenders, offenders
+
+
+def _calls_of(path: Path, function: str):
+    tree = ast.parse(path.read_text())
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and (getattr(node.func, "id", None) == function or getattr(node.func, "attr", None) == function)
+    ]
+
+
+def test_only_the_expert_set_commits_expert_changes():
+    """refresh_param_groups and re-sharding experts after a change happen in ExpertSet._commit only
+    (train/parts.py shards the experts once, when the run is assembled)."""
+    allowed = {
+        "refresh_param_groups": {"dynmoe_dist/train/experts.py"},
+        "shard_experts": {"dynmoe_dist/train/experts.py", "dynmoe_dist/train/parts.py"},
+        "unshard_experts": {"dynmoe_dist/train/experts.py"},
+        "apply_layer_plan": {"dynmoe_dist/train/experts.py"},
+        "reshard": {"dynmoe_dist/train/experts.py"},
+    }
+    offenders = []
+    for path in _all_files():
+        rel = str(path.relative_to(ROOT))
+        for function, places in allowed.items():
+            if rel not in places and _calls_of(path, function):
+                offenders.append(f"{rel}:{_calls_of(path, function)} calls {function}")
+    assert not offenders, offenders
+
+
+def test_tasks_import_nothing_from_models():
+    offenders = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in _files("dynmoe_dist/tasks")
+        for name in _imports(path)
+        if name.startswith("dynmoe_dist.models")
+    ]
+    assert not offenders, offenders
+
+
+def test_the_gpu_check_has_no_import_circle():
+    """gpu.py -> gpu_sections.py -> gpu_runner.py, gpu_layer.py, gpu_train.py, hf.py: none imports gpu.py back."""
+    sections = [p for p in _files("dynmoe_dist/bench") if p.name != "gpu.py"]
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in sections
+        if any(n == "dynmoe_dist.bench.gpu" for n in _imports(p, with_names=True))
+    ]
     assert not offenders, offenders

@@ -120,7 +120,7 @@ def test_a_tokenizer_without_bos_or_eos_starts_documents_with_cls(tmp_path):
 
     from hf_tiny import save_tokenizer
 
-    from dynmoe_dist.models.hf.minilm import minilm_dir
+    from dynmoe_dist.tasks.assets import minilm_dir
 
     bert, word_level = tmp_path / "bert", tmp_path / "word_level"
     bert.mkdir()

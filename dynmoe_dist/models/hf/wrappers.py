@@ -26,6 +26,10 @@ class HFCausalLM(nn.Module):
         super().__init__()
         self.hf = hf_model
 
+    def transformers_model(self) -> nn.Module:
+        """The transformers model inside (its own output classes, ``generate()``, ``save_pretrained``)."""
+        return self.hf
+
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> ModelOutput:
         with collect_aux_losses() as aux:
             out = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)

@@ -1,0 +1,187 @@
+"""build_model(model, moe, needs): every model a run trains, built from the run's ``[model]`` and ``[moe]``
+sections and from what its task hands over. Tasks never build, load, upcycle or freeze a model; the
+trainer, the export and the analyses call this one function.
+
+``needs`` is the task's ``tasks.base.ModelNeeds`` (read here through the ``TaskNeeds`` protocol: models/
+sits below tasks/ and does not import it): the kind of model the task feeds, and only what the task
+knows: class or vocabulary counts, sequence length, image size, the tokenizer it used.
+
+  needs.kind          model.source  model
+  token-classifier    builtin       EncoderClassifier (transformer.py), from scratch; MoE in model.moe_layers
+  image-classifier    builtin       ViTClassifier, from scratch
+  minilm-classifier   builtin       the pre-trained all-MiniLM-L6-v2 in needs.tokenizer's directory + a
+                                    fresh head; the FFNs of model.moe_layers upcycled into DynMoE layers
+  causal-lm           hf            model.path through transformers; the dense MLPs of model.moe_layers
+                                    upcycled; wrapped as HFCausalLM
+  causal-lm           builtin       CausalLM (transformer.py), from scratch
+Then the parameters under the ``model.freeze`` prefixes are frozen (prefixes as the model names them:
+'model.embed_tokens' for a transformers LM, 'embeddings' / 'layers.N' or 'bert...' for MiniLM).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, List, Protocol, Tuple
+
+import torch.nn as nn
+
+from ..moe.config import MoEConfig
+from .transformer import CausalLM, EncoderClassifier, ViTClassifier
+
+MODEL_KINDS = ("token-classifier", "image-classifier", "minilm-classifier", "causal-lm")
+
+
+class TaskNeeds(Protocol):
+    """What a task tells the builder (tasks.base.ModelNeeds, a frozen dataclass: read-only here)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def num_outputs(self) -> int:
+        """Classes of a classifier; the tokenizer's vocabulary of a causal LM."""
+        ...
+
+    @property
+    def max_len(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids of a token classifier's own vocabulary."""
+        ...
+
+    @property
+    def image_size(self) -> int: ...
+
+    @property
+    def channels(self) -> int: ...
+
+    @property
+    def tokenizer(self) -> str:
+        """The pre-trained tokenizer (a directory or .gguf file) the task used, if any."""
+        ...
+
+
+class ModelSection(Protocol):
+    """The fields of the run's [model] section (config.ModelConfig) the builder reads."""
+
+    source: str
+    path: str
+    dim: int
+    num_heads: int
+    num_layers: int
+    ffn_dim: int
+    dropout: float
+    moe_layers: List[int]
+    patch_size: int
+    freeze: List[str]
+
+
+def build_model(model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> nn.Module:
+    """The run's model in float32 and training mode, its MoE layers in place, model.freeze applied."""
+    check_model_config(model, needs.kind)
+    return BUILDERS[(needs.kind, model.source)](model, moe, needs)
+
+
+def freeze_parameters(model: nn.Module, prefixes: Iterable[str]) -> List[str]:
+    """Set requires_grad=False on every parameter named ``prefix`` or ``prefix.<anything>``.
+
+    Matching stops at dots, so 'layers.1' freezes layer 1 and not layer 10. A prefix that matches no
+    parameter is a mistake (a typo would otherwise silently train everything): ValueError.
+    Returns the names of the frozen parameters."""
+    named = dict(model.named_parameters())
+    frozen: List[str] = []
+    for prefix in prefixes:
+        prefix = prefix.rstrip(".")
+        hits = [name for name in named if name == prefix or name.startswith(prefix + ".")]
+        if not hits:
+            tops = sorted({name.split(".")[0] for name in named})
+            raise ValueError(f"model.freeze entry ({prefix!r}) matches no parameter; top-level names: {tops}")
+        for name in hits:
+            named[name].requires_grad_(False)
+        frozen += hits
+    return sorted(set(frozen))
+
+
+def check_model_config(model: ModelSection, kind: str) -> None:
+    """What can be checked of [model] for a task kind before anything is loaded: the source can build the
+    kind, and a transformer built from model.* (not loaded) splits dim evenly over its heads."""
+    if (kind, model.source) not in BUILDERS:
+        sources = sorted(source for k, source in BUILDERS if k == kind)
+        raise ValueError(f"model.source ({model.source!r}) cannot build a {kind} model; use one of {sources}")
+    if kind in BUILT_FROM_CONFIG and model.source == "builtin" and model.dim % model.num_heads:
+        raise ValueError(f"model.dim ({model.dim}) is not divisible by model.num_heads ({model.num_heads})")
+
+
+# -- the builders, one per (task kind, model source) ----------------------------------------------------
+def _token_classifier(model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> nn.Module:
+    built = EncoderClassifier(model, moe, needs.vocab_size, needs.max_len, needs.num_outputs)
+    freeze_parameters(built, model.freeze)
+    return built
+
+
+def _image_classifier(model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> nn.Module:
+    built = ViTClassifier(model, moe, needs.image_size, needs.channels, needs.num_outputs)
+    freeze_parameters(built, model.freeze)
+    return built
+
+
+def _builtin_causal_lm(model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> nn.Module:
+    built = CausalLM(model, moe, needs.num_outputs, needs.max_len)
+    freeze_parameters(built, model.freeze)
+    return built
+
+
+def _minilm_classifier(model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> nn.Module:
+    """MiniLM (its first model.num_layers layers) + a head; dim and ffn_dim come from the pre-trained block."""
+    from .hf.minilm import HFSentenceClassifier, freeze_names, load_minilm
+    from .hf.upcycle import upcycle_hf
+
+    built = HFSentenceClassifier(load_minilm(needs.tokenizer, model.num_layers, model.dropout), needs.num_outputs)
+    if model.moe_layers:
+        upcycle_hf(built.bert, moe, layers=list(model.moe_layers))
+    freeze_parameters(built, freeze_names(model.freeze))
+    return built
+
+
+def _hf_causal_lm(model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> nn.Module:
+    from .hf.loading import load_model
+
+    return hf_causal_lm_from(load_model(model.path, "causal-lm"), model, moe, needs)
+
+
+def hf_causal_lm_from(hf_model: nn.Module, model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> nn.Module:
+    """A loaded (or freshly configured) transformers causal LM as the trainer's model: its blocks checked
+    against model.num_layers, its vocabulary against the task's tokenizer, model.moe_layers upcycled,
+    model.freeze applied (names as in the transformers model: 'model.embed_tokens', 'model.layers.0')."""
+    from .hf import HFCausalLM, num_mlp_blocks, upcycle_hf
+    from .hf.loading import input_embeddings
+
+    num_blocks = num_mlp_blocks(hf_model)
+    if model.num_layers != num_blocks:
+        raise ValueError(
+            f"model.num_layers ({model.num_layers}) != the {num_blocks} blocks of {type(hf_model).__name__} "
+            f"at model.path ({model.path!r}); set model.num_layers = {num_blocks}"
+        )
+    vocab = input_embeddings(hf_model).num_embeddings
+    if needs.num_outputs > vocab:
+        raise ValueError(
+            f"task.tokenizer ({needs.tokenizer!r}) has {needs.num_outputs} tokens, more than the "
+            f"model's {vocab} embeddings: it is not this model's tokenizer"
+        )
+    if model.moe_layers:
+        upcycle_hf(hf_model, moe, layers=list(model.moe_layers))
+    freeze_parameters(hf_model, model.freeze)
+    return HFCausalLM(hf_model)
+
+
+Builder = Callable[[ModelSection, MoEConfig, TaskNeeds], nn.Module]
+BUILDERS: Dict[Tuple[str, str], Builder] = {
+    ("token-classifier", "builtin"): _token_classifier,
+    ("image-classifier", "builtin"): _image_classifier,
+    ("minilm-classifier", "builtin"): _minilm_classifier,
+    ("causal-lm", "hf"): _hf_causal_lm,
+    ("causal-lm", "builtin"): _builtin_causal_lm,
+}
+
+# Kinds whose built-in model is made from model.dim / num_heads / ffn_dim (not loaded pre-trained).
+BUILT_FROM_CONFIG = ("token-classifier", "image-classifier", "causal-lm")

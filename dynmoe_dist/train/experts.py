@@ -1,0 +1,161 @@
+"""ExpertSet: the one owner of a run's experts.
+
+It holds, for every MoE layer, the ``LayerShard`` record (where each logical expert lives, what this rank
+holds), the expert sharding (FSDP over the expert-dp group, or none), the optimizer whose state the
+experts carry, and the expert each layer last discarded (for ``adaptive.expert_init = reuse_discarded``).
+Nothing else writes the shards or refreshes the optimizer's param groups: every change goes through
+``apply_plan`` (an adaptive event) or ``reshard_from`` (a resume), and each ends in one ``_commit`` that
+shards the experts again and points the optimizer at the model's current parameters. A caller can no
+longer leave the optimizer half-updated by forgetting a step.
+
+Stateful for checkpoints: ``state_dict()`` is this rank's share (the placements, the discarded experts,
+and the experts it owns with their Adam state, by logical key ``moe.experts.expert_key``);
+``load_state_dict()`` takes the placements and at least the experts this rank will hold, whatever the
+world size that wrote them. Which files hold them is train/checkpoint_files.py's business.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch.nn as nn
+from torch import Tensor
+from torch.optim import Optimizer
+
+from ..moe.layer import MoELayer
+from ..parallel.fsdp import Sharding, full, shard_experts, unshard_experts
+from ..parallel.groups import ParallelGroups
+from ..parallel.migrate import apply_layer_plan
+from ..parallel.reshard import local_expert_parameters, owned_expert_parameters, reshard, resume_placement
+from ..parallel.shard import LayerShard
+from ..planning.placement import Placement
+from ..planning.planner import LayerPlan, Plan
+from .optim import ExpertOptimizerState, refresh_param_groups
+
+ExpertPayload = Dict[str, Dict[str, Any]]
+"""'layer/expert' -> {"params": {name: tensor}, "state": {name: Adam state}}."""
+
+
+class ExpertSet:
+    def __init__(
+        self,
+        model: nn.Module,
+        shards: Sequence[LayerShard],
+        sharding: Sharding,
+        optimizer: Optimizer,
+        groups: ParallelGroups,
+    ):
+        self._model = model
+        self._shards: List[LayerShard] = list(shards)
+        self._sharding = sharding
+        self._optimizer = optimizer
+        self._groups = groups
+        self._discarded: List[Optional[List[Tensor]]] = [None] * len(self._shards)
+
+    # -- read-only views ---------------------------------------------------------------------------
+    @property
+    def shards(self) -> Tuple[LayerShard, ...]:
+        return tuple(self._shards)
+
+    @property
+    def layers(self) -> List[MoELayer]:
+        return [shard.layer for shard in self._shards]
+
+    @property
+    def placements(self) -> Tuple[Placement, ...]:
+        return tuple(shard.placement for shard in self._shards)
+
+    @property
+    def has_discarded(self) -> Tuple[bool, ...]:
+        return tuple(d is not None for d in self._discarded)
+
+    @property
+    def sharded(self) -> bool:
+        """Experts are FSDP-sharded over their expert-dp group (gathering one is then a collective)."""
+        return self._sharding.experts
+
+    def __len__(self) -> int:
+        return len(self._shards)
+
+    # -- changes: each ends in one commit ----------------------------------------------------------
+    def apply_plan(self, plan: Plan) -> List[LayerPlan]:
+        """Apply an adaptive event's plan on this rank (collective over the ep groups, in the same order
+        everywhere); returns the layer plans that added, removed or moved experts."""
+        unshard_experts(self._shards, self._sharding, self._optimizer)  # plans move and combine whole experts
+        changed = []
+        for lp in plan.layers:
+            before = self._shards[lp.layer]
+            self._shards[lp.layer], self._discarded[lp.layer] = apply_layer_plan(
+                lp, before, self._optimizer, self._groups, self._discarded[lp.layer]
+            )
+            if lp.changes_experts() or lp.placement != before.placement:
+                changed.append(lp)
+        self._commit()
+        return changed
+
+    def reshard_from(self, placements: Sequence[Placement], experts: Mapping[str, Mapping[str, Tensor]]) -> None:
+        """Rebuild every layer for ``placements`` from logical expert tensors ('layer/expert' -> {name:
+        tensor}; at least the experts this rank holds). Routers are resized to the new expert counts with
+        zero rows: their values, like every dense parameter's, come from the dense state loaded next."""
+        self._shards = reshard(self._shards, placements, experts, self._groups)
+        self._commit()
+
+    def _commit(self) -> None:
+        """The one end of every change: shard the (plain) experts again, optimizer state included, and
+        point the optimizer's groups at the model's parameters (dropping the state of those that left)."""
+        shard_experts(self._shards, self._sharding, self._optimizer)
+        refresh_param_groups(self._optimizer, self._model)
+
+    # -- checkpointed state ------------------------------------------------------------------------
+    def layout(self) -> Dict[str, Any]:
+        """What every rank needs to know before reading any expert: placements and the discarded experts."""
+        return {
+            "placements": [json.dumps(p.to_lists()) for p in self.placements],
+            "num_experts": [p.num_experts for p in self.placements],
+            "discarded": [None if d is None else [t.detach().cpu().clone() for t in d] for d in self._discarded],
+        }
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's share: the layout and the experts it owns (each logical expert is owned by exactly one
+        rank of every ep group), weights and Adam state as full logical tensors on the host.
+        Collective under expert FSDP (gathering a sharded expert is)."""
+        return {**self.layout(), "experts": self.owned_experts()}
+
+    # NOTE: device-to-host sync: checkpoints copy every owned expert tensor to the host (checkpoint steps only).
+    def owned_experts(self) -> ExpertPayload:
+        states = self._optimizer_state().state_dict()
+        owned = owned_expert_parameters(self._shards)
+        return {key: {"params": _host_copies(params), "state": states.get(key, {})} for key, params in owned.items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from a (possibly other world size's) saved state: the saved placements where they fit this
+        ep size (rebalanced layouts and replicas survive), the default ones otherwise."""
+        payload: ExpertPayload = state["experts"]
+        self.reshard_from(self.resume_placements(state), {key: e["params"] for key, e in payload.items()})
+        self.load_optimizer_state({key: e["state"] for key, e in payload.items()})
+        self._discarded = [None if d is None else list(d) for d in state["discarded"]]
+        if len(self._discarded) != len(self._shards):
+            raise ValueError(f"saved discarded experts for {len(self._discarded)} layers, the model has {len(self)}")
+
+    def resume_placements(self, state: Mapping[str, Any]) -> List[Placement]:
+        return [resume_placement(p, self._groups.ep_size) for p in saved_placements(state)]
+
+    def load_optimizer_state(self, states: Mapping[str, Dict]) -> None:
+        self._optimizer_state().load_state_dict(dict(states))
+
+    def _optimizer_state(self) -> ExpertOptimizerState:
+        """The experts' Adam state by logical name (saved by owners, restored on every holder)."""
+        return ExpertOptimizerState(
+            self._optimizer, owned_expert_parameters(self._shards), local_expert_parameters(self._shards)
+        )
+
+
+def saved_placements(state: Mapping[str, Any]) -> List[Placement]:
+    """The placements a state_dict() (or a checkpoint's layout entry) was saved with."""
+    return [Placement.from_lists(json.loads(p)) for p in state["placements"]]
+
+
+def _host_copies(params: Mapping[str, Tensor]) -> Dict[str, Tensor]:
+    """Full logical tensors on the host (a sharded expert's are gathered: collective)."""
+    return {n: full(p.detach()).cpu().clone() for n, p in params.items()}
