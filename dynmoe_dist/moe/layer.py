@@ -249,7 +249,7 @@ class MoELayer(nn.Module):
         if not self.training or not isinstance(self.router, NativeRouter) or routing.logits is None:
             return None
         rule = self.router.rule
-        if rule.aux_loss_coef == 0:
+        if not rule.output_router_logits or rule.aux_loss_coef == 0:
             return None
         return losses.balance_term(
             routing.logits, rule.top_k, rule.aux_loss_coef, self.reducer.sum, self.reducer.loss_scale

@@ -195,9 +195,10 @@ class NativeRule:
     precision: str = "float32_scores"
     """'float32_scores': logits in the model's dtype, scores and weights in float32 (Mixtral, Qwen, OLMoE);
     'float32': logits too (DeepSeek); 'model': all in the model's dtype (gpt-oss)."""
+    output_router_logits: bool = False
+    """The checkpoint's switch for its joint load-balance loss (transformers adds the loss when it is set)."""
     aux_loss_coef: float = 0.0
-    """Weight of the family's joint load-balance loss (router_aux_loss_coef when the checkpoint's config sets
-    output_router_logits; 0: off)."""
+    """Weight of that loss (router_aux_loss_coef; 0 for a family without one, DeepSeek-V3)."""
 
     def __post_init__(self) -> None:
         for name, allowed in (("scores", SCORE_FUNCTIONS), ("weights", WEIGHT_MODES), ("precision", PRECISIONS)):

@@ -66,12 +66,14 @@ def test_a_native_layer_needs_its_rule_and_only_it_reads_one():
 
 def test_balance_term_only_in_training_and_only_when_the_checkpoint_asks():
     x = torch.randn(5, 8)
-    on = MoELayer(native_config(expert_kind="gated", expert_bias=False), rule=NativeRule(top_k=2, aux_loss_coef=0.1))
+    gated = native_config(expert_kind="gated", expert_bias=False)
+    on = MoELayer(gated, rule=NativeRule(top_k=2, output_router_logits=True, aux_loss_coef=0.1))
     term = on.train()(x).balance
     assert term is not None and term.coef == 0.1 and term.selected_TE.sum().item() == 10  # 5 tokens x top-2
     assert on.eval()(x).balance is None
-    off = MoELayer(native_config(expert_kind="gated", expert_bias=False), rule=NativeRule(top_k=2))
-    assert off.train()(x).balance is None
+    for rule in (NativeRule(top_k=2, aux_loss_coef=0.1), NativeRule(top_k=2, output_router_logits=True)):
+        off = MoELayer(gated, rule=rule)
+        assert off.train()(x).balance is None
 
 
 # -- gpt-oss experts --------------------------------------------------------------------------------
