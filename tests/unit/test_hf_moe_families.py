@@ -339,6 +339,8 @@ def test_the_threshold_hook_sets_each_blocks_thresholds():
     assert all(torch.equal(b.moe.router.threshold, torch.full((6,), 0.25).double()) for _, b in imported_blocks(ours))
     with pytest.raises(ValueError, match=r"a threshold hook needs router 'top_any', router is 'native'"):
         import_moe(reference("mixtral"), thresholds=calibrate)
+    with pytest.raises(ValueError, match=r"thresholds for model.layers.0.mlp: shape \(5,\) != \(6,\)"):
+        import_moe(reference("mixtral"), MoEConfig(router="top_any"), thresholds=lambda p, layer: torch.zeros(5))
 
 
 def test_unsupported_model_type_is_one_line_listing_the_supported():
@@ -352,3 +354,82 @@ def test_unsupported_model_type_is_one_line_listing_the_supported():
 def test_mixtral_router_jitter_is_refused_by_name():
     with pytest.raises(ValueError, match=r"router_jitter_noise \(0.1\) > 0 is not supported"):
         import_moe(tiny_model("mixtral", router_jitter_noise=0.1))
+
+
+# -- inside the trainer's wrapper ---------------------------------------------------------------------
+def test_the_training_wrapper_returns_the_family_loss_with_padding_dropped():
+    from dynmoe_dist.hf import HFCausalLM
+
+    ref = reference("qwen3_moe")
+    ids, mask = batch()
+    theirs = ref(input_ids=ids, attention_mask=mask)
+    out = HFCausalLM(import_moe(copy.deepcopy(ref)))(ids, mask)
+    assert torch.equal(out.aux_loss, (0.1 * theirs.aux_loss).to(out.aux_loss.dtype))
+    close(out.logits, theirs.logits, 1e-10, "logits")
+
+
+def test_activation_checkpointing_reports_each_layer_once_and_keeps_the_gradients():
+    ids, mask = batch()
+    plain = import_moe(reference("gpt_oss"))
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.activation_checkpointing_enable()
+    results = []
+    for model in (plain, checkpointed):
+        with collect_aux_losses() as aux:
+            out = model(input_ids=ids, attention_mask=mask, labels=ids)
+            loss = out.loss + aux.total(out.logits, mask).to(out.loss.dtype)
+        loss.backward()  # the recomputation runs here, outside the collection
+        results.append((len(aux.balance), loss, {n: p.grad for n, p in model.named_parameters()}))
+    (count, loss, grads), (count_c, loss_c, grads_c) = results
+    assert count == count_c == 3
+    close(loss_c, loss, 1e-12, "loss")
+    for name, grad in grads.items():
+        assert (grad is None) == (grads_c[name] is None), name
+        if grad is not None:
+            close(grads_c[name], grad, 1e-10, name)
+
+
+def test_a_bare_decoder_imports_under_its_own_keys():
+    ref = reference("olmoe")
+    assert sparse_block_prefixes(ref) == [f"model.layers.{i}.mlp" for i in range(3)]
+    bare = import_moe(copy.deepcopy(ref.model))  # OlmoeModel: keys start at layers.
+    assert sparse_block_prefixes(bare) == [f"layers.{i}.mlp" for i in range(3)]
+    assert [prefix for prefix, _ in imported_blocks(bare)] == sparse_block_prefixes(bare)
+    ids = batch()[0]
+    close(bare(input_ids=ids).last_hidden_state, ref.model(input_ids=ids).last_hidden_state, 1e-10, "hidden")
+
+
+def test_a_sparse_layer_without_the_fused_experts_is_refused_by_name():
+    model = reference("mixtral")
+    model.model.layers[1].mlp = torch.nn.Identity()
+    with pytest.raises(
+        ValueError, match=r"model.layers.1.mlp: expected the mixtral sparse MoE block .* found Identity"
+    ):
+        import_moe(model)
+
+
+def test_reader_mistakes_are_one_line_naming_the_directory_or_file(tmp_path):
+    with pytest.raises(ValueError, match=r"neither model.safetensors nor model.safetensors.index.json"):
+        CheckpointReader(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json: no safetensors index with a weight_map"):
+        CheckpointReader(tmp_path)
+    (tmp_path / "model.safetensors.index.json").unlink()
+    reference("mixtral").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"the checkpoint holds no tensor 'model.layers.0.mlp.gate.weight'"):
+        CheckpointReader(tmp_path).tensor("model.layers.0.mlp.gate.weight")  # Mixtral's is block_sparse_moe
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_a_model_built_on_the_meta_device_imports_to_the_same_keys_and_shapes(family):
+    # What an expert-parallel job builds before it reads its own slices (expert_sources / read_expert).
+    import transformers
+    from hf_tiny import FAMILIES, tiny_config
+
+    with torch.device("meta"):
+        meta = getattr(transformers, FAMILIES[family][1])(tiny_config(family))
+    import_moe(meta)
+    real = import_moe(tiny_model(family)).state_dict()
+    state = meta.state_dict()
+    assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in real.items()}
+    assert all(v.is_meta for v in state.values())

@@ -76,6 +76,14 @@ def test_deepseek_correction_bias_moves_the_choice_but_not_the_weights():
     torch.testing.assert_close(r.probs, torch.tensor([[s0, s1, sigmoid(1.0), sigmoid(1.0)]]))
 
 
+def test_deepseek_renormalisation_of_vanishing_scores_gives_zeros_not_nan():
+    # sigmoid(-200) is 0 in float32: every score is 0 (which two win the tie is torch.topk's call), the chosen
+    # scores sum to 0 and DeepSeek's + 1e-20 keeps 0 / 0 = nan away.
+    rule = NativeRule(top_k=2, scores="sigmoid", precision="float32")
+    r = route([[-200.0, -200.0, -300.0, -300.0]], rule)
+    assert r.num_selected.tolist() == [2] and r.weights.tolist() == [[0.0, 0.0, 0.0, 0.0]]
+
+
 def test_gpt_oss_top2_of_biased_logits_softmax_over_the_chosen():
     # x = [1, 2, 0, 0], bias [0, 0, 0, 1.5] -> logits [1, 2, 0, 1.5] -> experts 1 and 3;
     # weights softmax([2, 1.5]) = sigmoid(.5), 1 - sigmoid(.5); model dtype (float64) throughout.
