@@ -146,7 +146,8 @@ def import_moe(
             _set_thresholds(layer, thresholds(prefix, layer), prefix)
         decoder_layer.mlp = _block(family, mlp, layer).train(mlp.training)
     # transformers' loss path reads router logits recorded from its own router classes, which are gone;
-    # the family's loss now comes from the aux collection (NativeRule.aux_loss_coef keeps its weight).
+    # the family's loss now comes from the aux collection (the NativeRule keeps the switch and the weight,
+    # and stock_layout.stock_config puts the switch back when the model is written out).
     cast(Any, hf_model).config.output_router_logits = False
     return hf_model
 
