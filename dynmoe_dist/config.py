@@ -396,8 +396,15 @@ def _check_keys(section: str, values: Dict[str, Any]) -> None:
             raise ValueError(f"unknown key {section}.{key}; valid keys of [{section}]: {', '.join(valid)}")
 
 
-# The model section decides these for every MoE layer; accepting them here would silently do nothing.
-DERIVED_MOE_KEYS = ("dim", "ffn_dim")
+# The model decides these for every MoE layer; accepting them here would silently do nothing. Key -> where
+# the value comes from, for the message.
+DERIVED_MOE_KEYS = ("dim", "ffn_dim", "swiglu_alpha", "swiglu_limit")
+_DERIVED_FROM = {
+    "dim": "model.dim for built models, the pre-trained block for minilm-sentiment; set model.dim instead",
+    "ffn_dim": "model.ffn_dim for built models, the pre-trained block for minilm-sentiment; set model.ffn_dim instead",
+    "swiglu_alpha": "the gpt-oss checkpoint's config",
+    "swiglu_limit": "the gpt-oss checkpoint's config",
+}
 
 
 def with_preset(data: Dict[str, Any]) -> Dict[str, Any]:
@@ -423,10 +430,7 @@ def from_dict(data: Dict[str, Dict[str, Any]]) -> RunConfig:
     data = with_preset(data)
     for key in DERIVED_MOE_KEYS:
         if key in data.get("moe", {}):
-            raise ValueError(
-                f"moe.{key} is taken from the model (model.{key} for built models, the pre-trained "
-                f"block for minilm-sentiment); set model.{key} instead"
-            )
+            raise ValueError(f"moe.{key} is taken from the model ({_DERIVED_FROM[key]})")
     sections = {}
     for name, values in data.items():
         if name not in SECTIONS:

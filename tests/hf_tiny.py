@@ -3,6 +3,9 @@ a word-level tokenizer, and the tiny adaptive run on them (unit, distributed, in
 
 ``tiny_model(family)`` builds any family the tests use with the same small shapes (hidden 16, MLP 32,
 3 blocks, 2 heads, 1 key/value head); ``save_tiny(family, directory)`` writes it as save_pretrained does.
+The MoE families (MOE_FAMILIES) add 6 experts of hidden size 12, top-2: Qwen2-MoE with a shared expert,
+Qwen3-MoE with a dense first layer, DeepSeek-V3 with 2 expert groups, a dense first layer and a shared
+expert, gpt-oss with its sliding / full attention layers. ``randomize`` makes every weight matter.
 """
 
 import json
@@ -28,6 +31,49 @@ DECODER = dict(
     num_key_value_heads=1,
     max_position_embeddings=64,
 )
+MOE_FFN, NUM_EXPERTS, TOP_K = 12, 6, 2
+# Distinct sizes (D 16, F 12, 2F 24, shared 20, dense 32) make a transposed or mis-split slice fail loudly.
+_MOE = dict(num_experts_per_tok=TOP_K)
+MOE_FAMILIES = {
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {**DECODER, "intermediate_size": MOE_FFN, "num_local_experts": NUM_EXPERTS, **_MOE},
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {**DECODER, "moe_intermediate_size": MOE_FFN, "num_experts": NUM_EXPERTS, **_MOE}
+        | {"shared_expert_intermediate_size": 20},
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {**DECODER, "moe_intermediate_size": MOE_FFN, "num_experts": NUM_EXPERTS, **_MOE}
+        | {"mlp_only_layers": [0], "norm_topk_prob": True},
+    ),
+    "olmoe": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        {**DECODER, "intermediate_size": MOE_FFN, "num_experts": NUM_EXPERTS, **_MOE}
+        | {"eos_token_id": 1, "pad_token_id": None},
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {**DECODER, "moe_intermediate_size": MOE_FFN, "n_routed_experts": NUM_EXPERTS, **_MOE}
+        | {"num_key_value_heads": 2}  # its attention repeats no key/value heads under a padding mask
+        | {"n_shared_experts": 1, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1}
+        | {"routed_scaling_factor": 2.5, "norm_topk_prob": True}
+        | {"kv_lora_rank": 8, "q_lora_rank": None, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8},
+    ),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {**DECODER, "intermediate_size": MOE_FFN, "num_local_experts": NUM_EXPERTS, **_MOE}
+        | {"head_dim": 8, "sliding_window": 4, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    ),
+}
 # family -> (config class, model class, config fields)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", DECODER),
@@ -57,6 +103,7 @@ FAMILIES = {
         "GPTNeoXForCausalLM",
         dict(hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=NUM_LAYERS, num_attention_heads=2),
     ),
+    **MOE_FAMILIES,
 }
 
 
@@ -76,6 +123,20 @@ def tiny_model(family, vocab_size=64, seed=0, **overrides):
     config = tiny_config(family, vocab_size, **overrides)
     torch.manual_seed(seed)
     return getattr(tf, FAMILIES[family][1])(config)
+
+
+def randomize(model, seed=0, std=0.3):
+    """Every floating parameter plus noise of ``std``, and every saved floating buffer (DeepSeek's
+    e_score_correction_bias) drawn afresh: zero-initialised biases and routers become non-zero, so a bias
+    dropped or an expert slice mis-assigned in a conversion changes the outputs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(std * torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype))
+        for name, b in model.named_buffers():
+            if b.is_floating_point() and name in model.state_dict():
+                b.copy_(std * torch.randn(b.shape, generator=g, dtype=torch.float64).to(b.dtype))
+    return model
 
 
 def save_tiny(family, directory, vocab_size=64, **overrides):

@@ -11,6 +11,10 @@ wants the losses opens a collection around its forward and returns their sum in 
 
 An MoE block reports into the innermost open collection, and into nothing when none is open (generate(),
 evaluation outside the trainer, the backward pass's recomputation under activation checkpointing).
+
+The blocks of an imported transformers MoE family also report their statistics for the family's JOINT
+load-balance loss (one Switch loss over all layers' router logits, moe/losses.py); the collection forms it
+once, at ``total``, from all layers of the forward, with padding dropped by the attention mask it is given.
 """
 
 from __future__ import annotations
@@ -22,18 +26,25 @@ from typing import Iterator, List, Optional
 import torch
 from torch import Tensor
 
+from .losses import BalanceTerm, joint_balance_loss
+
 
 class AuxLosses:
     """The auxiliary losses reported during one forward."""
 
     def __init__(self) -> None:
         self.losses: List[Tensor] = []
+        self.balance: List[BalanceTerm] = []
 
-    def total(self, like: Tensor) -> Tensor:
-        """Their sum as a 0-d float32 tensor on ``like``'s device (zero when none was reported)."""
+    def total(self, like: Tensor, token_weight: Optional[Tensor] = None) -> Tensor:
+        """Their sum as a 0-d float32 tensor on ``like``'s device (zero when none was reported), plus the joint
+        load-balance loss of the reported balance terms; ``token_weight`` (the attention mask, one weight per
+        token of the forward) drops padding from it as transformers does."""
         total = like.new_zeros((), dtype=torch.float32)
         for loss in self.losses:
             total = total + loss
+        if self.balance:
+            total = total + joint_balance_loss(self.balance, token_weight)
         return total
 
 
@@ -56,3 +67,10 @@ def report_aux_loss(loss: Tensor) -> None:
     collected = _open.get()
     if collected is not None:
         collected.losses.append(loss)
+
+
+def report_balance_term(term: BalanceTerm) -> None:
+    """Hand an MoE layer's statistics for the joint load-balance loss to the open collection, if any."""
+    collected = _open.get()
+    if collected is not None:
+        collected.balance.append(term)

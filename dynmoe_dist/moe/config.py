@@ -10,10 +10,10 @@ import types
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple, Union, get_args, get_origin
 
-ROUTERS = ("top_any", "top_k", "top_p")
+ROUTERS = ("top_any", "top_k", "top_p", "native")
 AUX_LOSSES = ("diverse", "simple", "load_balance", "efficiency", "switch", "entropy")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
-EXPERT_KINDS = ("ffn", "gated")
+EXPERT_KINDS = ("ffn", "gated", "gpt_oss")
 TRAIN_K0_MODES = ("zero", "top1")
 EVAL_K0_MODES = ("top1", "skip")
 EXPERT_COMPUTE = ("auto", "grouped_mm", "loop")
@@ -22,6 +22,9 @@ EXPERT_COMPUTE = ("auto", "grouped_mm", "loop")
 DEFAULT_AUX = {
     "top_k": ("switch",),
     "top_p": ("switch",),
+    # An imported transformers MoE keeps its own load-balance loss, which its checkpoint's config switches on
+    # (output_router_logits, router_aux_loss_coef: moe.routing.NativeRule.aux_loss_coef); none of ours on top.
+    "native": (),
 }
 
 # Named sets of DynMoE settings ('section.key' -> value), applied by the run-config loader to every such
@@ -146,7 +149,9 @@ class MoEConfig:
     min_experts: int = 1
     """Lower bound on experts; removals never go below it."""
     router: str = "top_any"
-    """Routing rule: 'top_any' (DynMoE), 'top_k' (GShard/Switch) or 'top_p' (Huang et al.)."""
+    """Routing rule: 'top_any' (DynMoE), 'top_k' (GShard/Switch), 'top_p' (Huang et al.) or 'native' (an imported
+    transformers MoE checkpoint's own rule, read from its config: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3,
+    gpt-oss)."""
     top_k: int = 2
     """k for the top_k router."""
     top_p: float = 0.4
@@ -159,8 +164,8 @@ class MoEConfig:
     """Expert activation: 'gelu' (erf), 'gelu_tanh' (GPT-2's gelu_new), 'relu' or 'silu'. Upcycling takes
     it from the dense block."""
     expert_kind: str = "ffn"
-    """Expert block: 'ffn' (act(x W_in) W_out) or 'gated' (LLaMA/Qwen2/Mistral: (act(x W_gate) * x W_in) W_out).
-    Upcycling takes it from the dense block."""
+    """Expert block: 'ffn' (act(x W_in) W_out), 'gated' (LLaMA/Qwen2/Mistral: (act(x W_gate) * x W_in) W_out) or
+    'gpt_oss' (gpt-oss's clamped SwiGLU with biases). Upcycling and MoE imports take it from the model."""
     expert_bias: bool = True
     """Whether expert linear layers carry biases (True matches BERT-style dense blocks)."""
     train_k0: str = "zero"
@@ -174,6 +179,10 @@ class MoEConfig:
     threshold_init: float = 0.0
     """Initial gate threshold G of top-any routers (the reference: 0). Higher values start sparser:
     a token then selects expert e only if cos(x, W_e) > G_e."""
+    swiglu_alpha: float = 1.702
+    """gpt_oss experts: the alpha of glu = gate * sigmoid(alpha * gate); taken from the checkpoint's config."""
+    swiglu_limit: float = 7.0
+    """gpt_oss experts: gate is clamped above at limit, up to [-limit, limit]; taken from the checkpoint's config."""
     preset: str = DEFAULT_PRESET
     """Named DynMoE settings for every moe / adaptive option you do not set yourself (top-any runs only):
     'paper' (the authors' released code: 4 aux losses, top-1 eval fallback, reuse_discarded init),
@@ -221,6 +230,11 @@ class MoEConfig:
             )
         _require(self.activation in ACTIVATIONS, f"activation ({self.activation!r}) must be one of {ACTIVATIONS}")
         _require(self.expert_kind in EXPERT_KINDS, f"expert_kind ({self.expert_kind!r}) must be one of {EXPERT_KINDS}")
+        # gpt-oss experts always carry biases: the grouped path adds them only when expert_bias says so.
+        _require(
+            self.expert_kind != "gpt_oss" or self.expert_bias,
+            f"expert_kind ('gpt_oss') needs expert_bias true (gpt-oss experts carry biases), got {self.expert_bias}",
+        )
         _require(self.train_k0 in TRAIN_K0_MODES, f"train_k0 ({self.train_k0!r}) must be one of {TRAIN_K0_MODES}")
         _require(self.eval_k0 in EVAL_K0_MODES, f"eval_k0 ({self.eval_k0!r}) must be one of {EVAL_K0_MODES}")
         _require(

@@ -8,10 +8,12 @@ moved between ranks together with *its own* optimizer state (Adam's step count i
 (E, D, F) parameter would force one shared step count on a freshly added expert. The grouped-matmul
 path stacks the weights per call; that copy is small next to the matmuls it feeds.
 
-Two expert kinds share the bank (``MoEConfig.expert_kind``): 'ffn' (``FeedForward``: act(x W_in) W_out,
-BERT/GPT-2/ViT style) and 'gated' (``GatedFeedForward``: (act(x W_gate) * x W_in) W_out, the
-LLaMA/Qwen2/Mistral gate_proj/up_proj/down_proj block). Everything that moves or saves experts goes
-through ``new_expert`` and ``expert_param_specs``, so migration, replication and checkpoints handle both.
+Three expert kinds share the bank (``MoEConfig.expert_kind``): 'ffn' (``FeedForward``: act(x W_in) W_out,
+BERT/GPT-2/ViT style), 'gated' (``GatedFeedForward``: (act(x W_gate) * x W_in) W_out, the
+LLaMA/Qwen2/Mistral gate_proj/up_proj/down_proj block, also every fused-expert MoE family but gpt-oss) and
+'gpt_oss' (``GptOssFeedForward``: gpt-oss's clamped SwiGLU with biases). Everything that moves or saves
+experts goes through ``new_expert`` and ``expert_param_specs``, so migration, replication and checkpoints
+handle all three.
 """
 
 from __future__ import annotations
@@ -80,10 +82,47 @@ class GatedFeedForward(nn.Module):
         return F.linear(hidden_RF, self.w_out.to(dtype), _cast(self.b_out, dtype))
 
 
-Expert = Union[FeedForward, GatedFeedForward]
-EXPERT_CLASSES: Dict[str, Union[Type[FeedForward], Type[GatedFeedForward]]] = {
+def clamped_swiglu(gate_RF: Tensor, up_RF: Tensor, alpha: float, limit: float) -> Tensor:
+    """gpt-oss's gate, in transformers' order (GptOssExperts._apply_gate): gate clamped above at limit, up
+    to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate_RF = gate_RF.clamp(min=None, max=limit)
+    up_RF = up_RF.clamp(min=-limit, max=limit)
+    glu_RF = gate_RF * torch.sigmoid(gate_RF * alpha)
+    return (up_RF + 1) * glu_RF
+
+
+class GptOssFeedForward(nn.Module):
+    """One gpt-oss expert: w_out clamped_swiglu(w_gate x + b_gate, w_in x + b_in) + b_out (nn.Linear layout).
+
+    The checkpoint interleaves gate and up columns in one (D, 2F) matrix per expert (gate_up_proj[e][:, 0::2]
+    is the gate); here they are GatedFeedForward's two (F, D) weights, so code reading ``w_in`` works on every
+    kind (models/hf/moe_families.py maps the layouts). Biases always: gpt-oss experts have them."""
+
+    def __init__(self, dim: int, ffn_dim: int, *, alpha: float = 1.702, limit: float = 7.0, init_std: float = 0.02):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+        # The sigmoid-gated linear unit: what upcycling or a report reads as this expert's activation.
+        self.activation = "silu"
+        self.w_gate = nn.Parameter(torch.empty(ffn_dim, dim).normal_(0.0, init_std))
+        self.w_in = nn.Parameter(torch.empty(ffn_dim, dim).normal_(0.0, init_std))
+        self.w_out = nn.Parameter(torch.empty(dim, ffn_dim).normal_(0.0, init_std))
+        self.b_gate = nn.Parameter(torch.zeros(ffn_dim))
+        self.b_in = nn.Parameter(torch.zeros(ffn_dim))
+        self.b_out = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, rows_RD: Tensor) -> Tensor:
+        dtype = rows_RD.dtype
+        gate_RF = F.linear(rows_RD, self.w_gate.to(dtype), self.b_gate.to(dtype))
+        up_RF = F.linear(rows_RD, self.w_in.to(dtype), self.b_in.to(dtype))
+        hidden_RF = clamped_swiglu(gate_RF, up_RF, self.alpha, self.limit)
+        return F.linear(hidden_RF, self.w_out.to(dtype), self.b_out.to(dtype))
+
+
+Expert = Union[FeedForward, GatedFeedForward, GptOssFeedForward]
+EXPERT_CLASSES: Dict[str, Union[Type[FeedForward], Type[GatedFeedForward], Type[GptOssFeedForward]]] = {
     "ffn": FeedForward,
     "gated": GatedFeedForward,
+    "gpt_oss": GptOssFeedForward,
 }
 
 
@@ -92,7 +131,12 @@ def _cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
 
 
 def new_expert(config: MoEConfig) -> Expert:
-    return EXPERT_CLASSES[config.expert_kind](
+    if config.expert_kind == "gpt_oss":
+        return GptOssFeedForward(
+            config.dim, config.ffn_dim, alpha=config.swiglu_alpha, limit=config.swiglu_limit, init_std=config.init_std
+        )
+    cls = FeedForward if config.expert_kind == "ffn" else GatedFeedForward
+    return cls(
         config.dim, config.ffn_dim, bias=config.expert_bias, activation=config.activation, init_std=config.init_std
     )
 
@@ -161,6 +205,15 @@ class ExpertBank(nn.Module):
                 raise ValueError(
                     f"expert_kind ({config.expert_kind!r}) needs {want.__name__} experts, got {type(expert).__name__}"
                 )
+            # The grouped path reads the clamp from the config, the per-expert loop from the expert.
+            if isinstance(expert, GptOssFeedForward) and (expert.alpha, expert.limit) != (
+                config.swiglu_alpha,
+                config.swiglu_limit,
+            ):
+                raise ValueError(
+                    f"gpt_oss expert with alpha, limit ({expert.alpha}, {expert.limit}) != swiglu_alpha, swiglu_limit "
+                    f"({config.swiglu_alpha}, {config.swiglu_limit})"
+                )
         # Sharded experts (FSDP over the expert-dp group) gather their weights inside their own forward:
         # every rank must then call every local expert every step, also on zero rows, or the ranks'
         # collectives stop lining up and hang. Set by dynmoe_dist.parallel.fsdp.
@@ -199,10 +252,14 @@ class ExpertBank(nn.Module):
         slot_R = torch.repeat_interleave(
             torch.arange(len(self.experts), device=rows_RD.device), counts_e, output_size=rows_RD.shape[0]
         )  # the size is known: no sync
-        act = ACTIVATION_FNS[self.config.activation]  # one config for the whole bank
+        config = self.config  # one config for the whole bank
+        act = ACTIVATION_FNS[config.activation]
         hidden_RF = self._project(rows_RD, "w_in", "b_in", offs_e, slot_R)
-        if self.config.expert_kind == "gated":
+        if config.expert_kind == "gated":
             hidden_RF = act(self._project(rows_RD, "w_gate", "b_gate", offs_e, slot_R)) * hidden_RF
+        elif config.expert_kind == "gpt_oss":
+            gate_RF = self._project(rows_RD, "w_gate", "b_gate", offs_e, slot_R)
+            hidden_RF = clamped_swiglu(gate_RF, hidden_RF, config.swiglu_alpha, config.swiglu_limit)
         else:
             hidden_RF = act(hidden_RF)
         return self._project(hidden_RF, "w_out", "b_out", offs_e, slot_R)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -21,7 +21,7 @@ from . import losses
 from .config import MoEConfig
 from .experts import ExpertBank, expert_from_named
 from .permute import combine_rows, gather_rows, routed_pairs
-from .routing import Routing, gate_dtype, top_any, top_k, top_p
+from .routing import NativeRule, Routing, gate_dtype, native, top_any, top_k, top_p
 
 
 @dataclass
@@ -32,6 +32,9 @@ class MoEOutput:
     """Scalar, already multiplied by ``aux_loss_weight`` (and, under data parallelism, by 1/world so
     that the sum over ranks is the loss of the global batch)."""
     routing: Routing
+    balance: Optional[losses.BalanceTerm] = None
+    """This layer's share of the joint load-balance loss of a native router whose checkpoint asks for it
+    (training only): the caller hands it to the aux collection, whose owner forms the loss over all layers."""
 
 
 class Dispatcher(Protocol):
@@ -130,6 +133,61 @@ class SoftmaxRouter(nn.Module):
         self.weight = nn.Parameter(weight)
 
 
+class NativeRouter(nn.Module):
+    """An imported transformers MoE family's router with the family's parameters and rule (``NativeRule``):
+    weight (E, D), a bias (E) for gpt-oss, DeepSeek's e_score_correction_bias (E).
+
+    The correction bias stays a buffer, as in transformers: it only moves which experts are chosen (the
+    weights use the scores without it), so no gradient reaches it; DeepSeek adjusts it outside the gradient
+    (its auxiliary-loss-free balancing), which is not run here, so it keeps the checkpoint's values. As a
+    buffer it follows the model's device, is saved, and is sliced with the experts."""
+
+    e_score_correction_bias: Optional[Tensor]
+
+    def __init__(self, config: MoEConfig, rule: NativeRule):
+        super().__init__()
+        rule.check_experts(config.num_experts)
+        self.config = config
+        self.rule = rule
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.dim).normal_(0, config.init_std))
+        self.bias = nn.Parameter(torch.zeros(config.num_experts)) if rule.router_bias else None
+        correction = torch.zeros(config.num_experts) if rule.correction_bias else None
+        self.register_buffer("e_score_correction_bias", correction)
+
+    def forward(self, x_TD: Tensor, training: bool) -> Routing:
+        return native(x_TD, self.weight, self.rule, bias_E=self.bias, correction_E=self.e_score_correction_bias)
+
+    def resize(self, keep: List[int], new_weight_ND: Tensor) -> None:
+        """Keep the given experts (in that order) and append new ones: router rows ``new_weight_ND``, bias 0,
+        correction bias 0 (DeepSeek's initial value). Every per-expert tensor is sliced the same way."""
+        self.rule.check_experts(len(keep) + len(new_weight_ND))
+        with torch.no_grad():
+            weight = torch.cat([self.weight[keep], new_weight_ND.to(self.weight)])
+            if self.bias is not None:
+                self.bias = nn.Parameter(torch.cat([self.bias[keep], self.bias.new_zeros(len(new_weight_ND))]))
+            if self.e_score_correction_bias is not None:
+                old = self.e_score_correction_bias
+                self.e_score_correction_bias = torch.cat([old[keep], old.new_zeros(len(new_weight_ND))])
+        self.weight = nn.Parameter(weight)
+
+
+Router = Union[TopAnyRouter, SoftmaxRouter, NativeRouter]
+
+
+def make_router(config: MoEConfig, rule: Optional[NativeRule] = None) -> Router:
+    """The router ``config.router`` names; a native one needs the checkpoint's rule, and only it reads one."""
+    if config.router == "native":
+        if rule is None:
+            raise ValueError(
+                "router ('native') needs the checkpoint's routing rule (a NativeRule, from "
+                "models/hf/moe_families.py): it is only for imported transformers MoE models"
+            )
+        return NativeRouter(config, rule)
+    if rule is not None:
+        raise ValueError(f"a NativeRule is read only by router 'native', router is {config.router!r}")
+    return TopAnyRouter(config) if config.router == "top_any" else SoftmaxRouter(config)
+
+
 RoutingObserver = Callable[["MoELayer", Tensor, Routing], None]
 
 _recompute_depth = 0
@@ -166,10 +224,10 @@ def find_moe_layers(model: nn.Module) -> List[Tuple[str, "MoELayer"]]:
 
 
 class MoELayer(nn.Module):
-    def __init__(self, config: MoEConfig, experts: Optional[ExpertBank] = None):
+    def __init__(self, config: MoEConfig, experts: Optional[ExpertBank] = None, rule: Optional[NativeRule] = None):
         super().__init__()
         self.config = config
-        self.router = TopAnyRouter(config) if config.router == "top_any" else SoftmaxRouter(config)
+        self.router: Router = make_router(config, rule)
         self.experts = experts if experts is not None else ExpertBank.fresh(config, config.num_experts)
         self.dispatcher: Dispatcher = LocalDispatcher()
         self.reducer: Reducer = LocalReducer()
@@ -192,7 +250,19 @@ class MoELayer(nn.Module):
         if not is_recomputing():
             for observe in self.routing_observers:
                 observe(self, x_TD, routing)
-        return MoEOutput(out_TD.reshape(x.shape).to(x.dtype), self.aux_loss(routing), routing)
+        out = out_TD.reshape(x.shape).to(x.dtype)
+        return MoEOutput(out, self.aux_loss(routing), routing, self.balance_term(routing))
+
+    def balance_term(self, routing: Routing) -> Optional[losses.BalanceTerm]:
+        """This layer's statistics for its family's joint load-balance loss, when the checkpoint asks for one."""
+        if not self.training or not isinstance(self.router, NativeRouter) or routing.logits is None:
+            return None
+        rule = self.router.rule
+        if not rule.output_router_logits or rule.aux_loss_coef == 0:
+            return None
+        return losses.balance_term(
+            routing.logits, rule.top_k, rule.aux_loss_coef, self.reducer.sum, self.reducer.loss_scale
+        )
 
     def aux_loss(self, routing: Routing) -> Tensor:
         # Evaluation needs no aux loss, and skipping it saves the statistics collectives.

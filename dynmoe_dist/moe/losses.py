@@ -1,5 +1,8 @@
-"""Auxiliary losses of DynMoE (docs/algorithm.md section 2), the Switch load-balance baseline and the
-router-entropy loss of the top-p baseline (Huang et al. 2024).
+"""Auxiliary losses of DynMoE (docs/algorithm.md section 2), the Switch load-balance baseline, the
+router-entropy loss of the top-p baseline (Huang et al. 2024), and the joint load-balance loss of the
+transformers MoE families (their ``load_balancing_loss_func``).
+
+Shape legend: T tokens, E experts, L MoE layers.
 
 Token statistics are formed as sums and divided by counts only after ``reduce_sum``: with the
 identity (one process) this is the plain mean; under data parallelism ``reduce_sum`` adds the sums of
@@ -9,7 +12,8 @@ how the batch was split.
 
 from __future__ import annotations
 
-from typing import Callable, List, Sequence
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -136,3 +140,84 @@ def switch_loss(probs_TE: Tensor, routing: Routing, reduce_sum: ReduceSum = iden
     """E * sum_e f_e * Pbar_e with the probabilities probs_TE."""
     routing = Routing(routing.mask, routing.weights, routing.num_selected, routing.gates, probs_TE)
     return token_losses(["switch"], routing, reduce_sum)[0]
+
+
+# -- the transformers families' joint load-balance loss ------------------------------------------------
+# transformers' load_balancing_loss_func concatenates the router logits of ALL layers and computes ONE
+# Switch loss over them: E * sum_e f_e P_e with f_e = (top-k picks of e, all layers) / rows and P_e =
+# (softmax mass of e, all layers) / rows, rows = tokens x layers. That is not a sum of per-layer losses (the
+# products mix layers), but both factors are sums over (layer, token): each layer hands its per-token
+# statistics to the aux collection of the forward (moe/aux_collector.py), whose owner sums them over the
+# layers (and over the data ranks, with one reduction) and forms the loss once. Per token, not summed in the
+# layer, so that the owner can drop padding by the attention mask as transformers does.
+
+
+@dataclass(frozen=True)
+class BalanceTerm:
+    """One MoE layer's share of the joint load-balance loss of a transformers MoE family."""
+
+    selected_TE: Tensor
+    """float32 0/1: e is among the top-k of softmax(logits) (no gradient; transformers' histc counts)."""
+    probs_TE: Tensor
+    """float32 softmax(logits), the softmax taken in the logits' dtype as transformers does."""
+    coef: float
+    """router_aux_loss_coef."""
+    reduce_sum: ReduceSum
+    """The layer's reduction of token statistics over the data ranks (identity in one process)."""
+    loss_scale: float
+    """The reducer's loss scale (1/world under data parallelism: the ranks' losses sum to the global one)."""
+
+
+def balance_term(
+    logits_TE: Tensor, top_k: int, coef: float, reduce_sum: ReduceSum = identity_sum, loss_scale: float = 1.0
+) -> BalanceTerm:
+    """A layer's statistics from its router logits, exactly as load_balancing_loss_func forms them (softmax in
+    the logits' dtype, top-k of that softmax, then float32)."""
+    probs_TE = torch.softmax(logits_TE, dim=-1)
+    index_TK = torch.topk(probs_TE, top_k, dim=-1)[1]
+    selected_TE = torch.zeros(probs_TE.shape, dtype=torch.float32, device=probs_TE.device).scatter_(-1, index_TK, 1.0)
+    return BalanceTerm(selected_TE, probs_TE.float(), coef, reduce_sum, loss_scale)
+
+
+def joint_balance_sums(terms: Sequence[BalanceTerm], token_weight_T: Optional[Tensor] = None) -> List[Tensor]:
+    """[picks_E, probs_E, rows (1,)] summed over the layers, in transformers' order (a running sum from zero,
+    layer by layer). ``token_weight_T``: the attention mask (0 for padding), the same for every layer.
+    Layers with fewer experts (after an adaptive event) count as zeros in the missing expert positions."""
+    num_experts = max(t.selected_TE.shape[-1] for t in terms)
+    like = terms[0].probs_TE
+    picks_E = like.new_zeros(num_experts)
+    probs_E = like.new_zeros(num_experts)
+    rows = like.new_zeros(1)
+    weight_T1 = None if token_weight_T is None else token_weight_T.reshape(-1, 1).to(like)
+    for term in terms:
+        selected_TE, term_probs_TE = term.selected_TE, term.probs_TE
+        if weight_T1 is not None:
+            selected_TE, term_probs_TE = selected_TE * weight_T1, term_probs_TE * weight_T1
+        pad = num_experts - selected_TE.shape[-1]
+        picks_E = picks_E + F.pad(selected_TE.sum(dim=0), (0, pad))
+        probs_E = probs_E + F.pad(term_probs_TE.sum(dim=0), (0, pad))
+        rows = rows + (weight_T1.sum() if weight_T1 is not None else selected_TE.shape[0])
+    return [picks_E, probs_E, rows]
+
+
+def joint_balance_from_sums(sums: Sequence[Tensor]) -> Tensor:
+    """E * sum_e (picks_e / rows) (probs_e / rows), from sums over the whole (global) batch and all layers."""
+    picks_E, probs_E, rows_1 = sums
+    # A 0-d divisor, as transformers' running total is: torch divides by a CPU scalar through another kernel
+    # path (a reciprocal product) than by a 1-element tensor, and the two differ in the last bit.
+    rows = rows_1.reshape(())
+    loss: Tensor = torch.sum((picks_E.detach() / rows) * (probs_E / rows)) * picks_E.shape[0]
+    return loss
+
+
+def joint_balance_loss(terms: Sequence[BalanceTerm], token_weight_T: Optional[Tensor] = None) -> Tensor:
+    """coef * the family's load-balance loss over all ``terms`` (every layer of one forward), the statistics
+    summed over the data ranks in one reduction (the first term's reducer: every layer has the same one)."""
+    first = terms[0]
+    if any(t.coef != first.coef or t.loss_scale != first.loss_scale for t in terms):
+        raise ValueError(
+            "joint load-balance terms disagree on router_aux_loss_coef or loss scale: "
+            f"{sorted({(t.coef, t.loss_scale) for t in terms})}"
+        )
+    sums = reduce_together([joint_balance_sums(terms, token_weight_T)], first.reduce_sum)[0]
+    return first.coef * joint_balance_from_sums(sums) * first.loss_scale

@@ -1,8 +1,10 @@
-"""Routers: DynMoE top-any gating and the top-k / top-p baselines.
+"""Routers: DynMoE top-any gating, the top-k / top-p baselines, and the native rules of the transformers MoE
+families a checkpoint can be imported from (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, gpt-oss).
 
-Shape legend: T tokens, D model dim, E experts.
+Shape legend: T tokens, D model dim, E experts, K experts chosen per token, G expert groups.
   x_TD      tokens            gate_ED   gate vectors (rows)     threshold_E  per-expert thresholds
   mask_TE   bool selections   weights_TE combine weights         num_selected_T  k per token
+  logits_TE router logits     index_TK  chosen experts           correction_E DeepSeek's e_score_correction_bias
 
 Every router returns a ``Routing``. ``weights_TE`` is zero wherever ``mask_TE`` is False and carries
 exactly the gradient docs/algorithm.md section 1 prescribes; ``gates_TE`` is the differentiable 0/1 selection
@@ -32,7 +34,11 @@ class Routing:
     gates: Tensor
     """(T, E) differentiable 0/1 selection (straight-through for top-any)."""
     probs: Optional[Tensor] = None
-    """(T, E) router scores: sigmoid scores for top-any, softmax probabilities for top-k/top-p."""
+    """(T, E) router scores: sigmoid scores for top-any, softmax probabilities for top-k/top-p and the native
+    softmax rules, sigmoid scores for DeepSeek's rule, softmax(logits) for gpt-oss's."""
+    logits: Optional[Tensor] = None
+    """(T, E) raw router logits (native rules only): transformers' load-balance loss recomputes its softmax
+    from them, in their dtype, and the joint loss must do the same to equal it."""
 
     @property
     def num_tokens(self) -> int:
@@ -140,3 +146,161 @@ def top_p(logits_TE: Tensor, p: float) -> Routing:
     mask_TE = torch.zeros_like(keep_sorted_TE).scatter_(-1, order_TE, keep_sorted_TE)
     weights_TE = probs_TE * mask_TE
     return Routing(mask_TE, weights_TE, mask_TE.sum(dim=-1), mask_TE.to(probs_TE.dtype), probs_TE)
+
+
+# -- the native rules of the transformers MoE families --------------------------------------------------
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "logits")
+WEIGHT_MODES = ("scores", "renormalised", "softmax")
+PRECISIONS = ("float32_scores", "float32", "model")
+# DeepSeek-V3 adds this to the denominator when it renormalises its sigmoid scores (a softmax's chosen
+# scores never sum to ~0, so the softmax families divide by the plain sum).
+SIGMOID_RENORM_EPS = 1e-20
+
+
+@dataclass(frozen=True)
+class NativeRule:
+    """How a transformers MoE family routes, read from its checkpoint's config (models/hf/moe_families.py).
+
+    Not a run option: the checkpoint fixes it and every rank (and every resume) reads the same checkpoint. It
+    travels on the router module (``NativeRouter.rule``), so it never enters [moe], --help, to_toml or the
+    run config's digest.
+
+      family       scores   chosen by                                   weights
+      Mixtral      softmax  top-k scores                                renormalised
+      Qwen2/3-MoE  softmax  top-k scores                                renormalised if norm_topk_prob
+      OLMoE        softmax  top-k scores                                renormalised if norm_topk_prob
+      DeepSeek-V3  sigmoid  top-k of scores + correction bias, within   renormalised if norm_topk_prob,
+                            the top_groups groups of largest top-2 sum  times scaling_factor
+      gpt-oss      logits   top-k logits (router with a bias)           softmax over the chosen logits
+    """
+
+    top_k: int
+    """Experts per token (num_experts_per_tok)."""
+    scores: str = "softmax"
+    """Router logits -> scores: 'softmax' (over all experts), 'sigmoid' (per expert) or 'logits' (as they are)."""
+    weights: str = "renormalised"
+    """Combine weights of the chosen experts: 'scores' (their scores), 'renormalised' (divided by their sum) or
+    'softmax' (a softmax over the chosen scores)."""
+    num_groups: int = 1
+    """Expert groups (DeepSeek's n_group): experts e*E/G .. (e+1)*E/G - 1 form group e."""
+    top_groups: int = 1
+    """Groups a token may choose from (DeepSeek's topk_group), those with the largest sum of their top-2 scores."""
+    scaling_factor: float = 1.0
+    """Multiplies the combine weights (DeepSeek's routed_scaling_factor)."""
+    router_bias: bool = False
+    """The router's linear layer has a bias (gpt-oss)."""
+    correction_bias: bool = False
+    """A per-expert bias added to the scores for choosing only, not for weighting (DeepSeek's
+    e_score_correction_bias)."""
+    precision: str = "float32_scores"
+    """'float32_scores': logits in the model's dtype, scores and weights in float32 (Mixtral, Qwen, OLMoE);
+    'float32': logits too (DeepSeek); 'model': all in the model's dtype (gpt-oss)."""
+    output_router_logits: bool = False
+    """The checkpoint's switch for its joint load-balance loss (transformers adds the loss when it is set)."""
+    aux_loss_coef: float = 0.0
+    """Weight of that loss (router_aux_loss_coef; 0 for a family without one, DeepSeek-V3)."""
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("scores", SCORE_FUNCTIONS), ("weights", WEIGHT_MODES), ("precision", PRECISIONS)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"NativeRule.{name} ({value!r}) must be one of {allowed}")
+        if self.top_k < 1:
+            raise ValueError(f"NativeRule.top_k ({self.top_k}) must be >= 1")
+        if not 1 <= self.top_groups <= self.num_groups:
+            raise ValueError(
+                f"NativeRule.top_groups ({self.top_groups}) must be in [1, num_groups ({self.num_groups})]"
+            )
+        if self.num_groups > 1 and self.scores != "sigmoid":
+            raise ValueError(f"NativeRule.num_groups ({self.num_groups}) > 1 needs scores 'sigmoid' (DeepSeek's rule)")
+        if self.correction_bias and self.scores != "sigmoid":
+            raise ValueError("NativeRule.correction_bias needs scores 'sigmoid' (DeepSeek's rule)")
+        if self.aux_loss_coef < 0:
+            raise ValueError(f"NativeRule.aux_loss_coef ({self.aux_loss_coef}) must be >= 0")
+
+    def check_experts(self, num_experts: int) -> None:
+        """ValueError unless the rule can route over ``num_experts`` experts (checked at every resize too)."""
+        if not 1 <= self.top_k <= num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be in [1, num_experts ({num_experts})]")
+        if num_experts % self.num_groups:
+            raise ValueError(f"num_experts ({num_experts}) must be a multiple of num_groups ({self.num_groups})")
+        per_group = num_experts // self.num_groups
+        if self.num_groups > 1 and per_group < 2:
+            raise ValueError(f"num_experts ({num_experts}) gives groups of {per_group}: a group scores its top 2")
+        if self.top_k > self.top_groups * per_group:
+            raise ValueError(
+                f"top_k ({self.top_k}) > the {self.top_groups * per_group} experts of top_groups ({self.top_groups}) "
+                f"groups of {per_group}"
+            )
+
+
+def native_logits(x_TD: Tensor, weight_ED: Tensor, bias_E: Optional[Tensor], precision: str) -> Tensor:
+    """The router's logits in the family's dtype: float32 for DeepSeek (it casts both operands), else the model's."""
+    dtype = torch.float32 if precision == "float32" else torch.promote_types(x_TD.dtype, weight_ED.dtype)
+    bias = None if bias_E is None else bias_E.to(dtype)
+    return F.linear(x_TD.to(dtype), weight_ED.to(dtype), bias)
+
+
+def group_limited(choice_TE: Tensor, num_groups: int, top_groups: int) -> Tensor:
+    """DeepSeek-V3: -inf outside the ``top_groups`` groups whose two best choice scores sum highest
+    (transformers' DeepseekV3TopkRouter, step for step, so that ties fall the same way)."""
+    num_experts = choice_TE.shape[-1]
+    per_group = num_experts // num_groups
+    group_scores_TG = choice_TE.view(-1, num_groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_index_TJ = torch.topk(group_scores_TG, k=top_groups, dim=-1, sorted=False)[1]
+    group_mask_TG = torch.zeros_like(group_scores_TG).scatter_(1, group_index_TJ, 1)
+    allowed_TE = group_mask_TG.unsqueeze(-1).expand(-1, num_groups, per_group).reshape(-1, num_experts)
+    return choice_TE.masked_fill(~allowed_TE.bool(), float("-inf"))
+
+
+def _chosen(logits_TE: Tensor, rule: NativeRule, correction_E: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    """(scores_TE, chosen scores top_TK, chosen experts index_TK) in the family's order of operations."""
+    if rule.scores == "logits":  # gpt-oss: top-k of the logits themselves
+        top_TK, index_TK = torch.topk(logits_TE, rule.top_k, dim=-1)
+        return logits_TE, top_TK, index_TK
+    score_dtype = logits_TE.dtype if rule.precision == "model" else torch.float32
+    if rule.scores == "softmax":
+        scores_TE = torch.softmax(logits_TE, dim=-1, dtype=score_dtype)
+        top_TK, index_TK = torch.topk(scores_TE, rule.top_k, dim=-1)
+        return scores_TE, top_TK, index_TK
+    # sigmoid (DeepSeek): choose by scores + correction bias (within the best groups), weigh by the scores
+    scores_TE = logits_TE.to(score_dtype).sigmoid()
+    choice_TE = scores_TE if correction_E is None else scores_TE + correction_E
+    if rule.num_groups > 1:
+        choice_TE = group_limited(choice_TE, rule.num_groups, rule.top_groups)
+    index_TK = torch.topk(choice_TE, k=rule.top_k, dim=-1, sorted=False)[1]
+    return scores_TE, scores_TE.gather(1, index_TK), index_TK
+
+
+def _chosen_weights(top_TK: Tensor, rule: NativeRule) -> Tensor:
+    if rule.weights == "softmax":
+        top_TK = torch.softmax(top_TK, dim=-1, dtype=top_TK.dtype)
+    elif rule.weights == "renormalised":
+        eps = SIGMOID_RENORM_EPS if rule.scores == "sigmoid" else 0.0
+        total_TK = top_TK.sum(dim=-1, keepdim=True)
+        top_TK = top_TK / (total_TK + eps if eps else total_TK)
+    if rule.scaling_factor != 1.0:
+        top_TK = top_TK * rule.scaling_factor
+    return top_TK
+
+
+def native(
+    x_TD: Tensor,
+    weight_ED: Tensor,
+    rule: NativeRule,
+    *,
+    bias_E: Optional[Tensor] = None,
+    correction_E: Optional[Tensor] = None,
+) -> Routing:
+    """A transformers MoE family's own routing (see NativeRule): exactly k experts per token.
+
+    ``probs`` are the scores the losses read (softmax for 'logits' scores, as gpt-oss's load-balance loss
+    takes it); ``logits`` the raw logits, from which the family's joint load-balance loss starts."""
+    logits_TE = native_logits(x_TD, weight_ED, bias_E, rule.precision)
+    scores_TE, top_TK, index_TK = _chosen(logits_TE, rule, correction_E)
+    top_TK = _chosen_weights(top_TK, rule)
+    mask_TE = torch.zeros_like(logits_TE, dtype=torch.bool).scatter_(-1, index_TK, True)
+    weights_TE = top_TK.new_zeros(logits_TE.shape).scatter(-1, index_TK, top_TK)
+    probs_TE = torch.softmax(logits_TE, dim=-1) if rule.scores == "logits" else scores_TE
+    gates_TE = mask_TE.to(weights_TE.dtype)
+    return Routing(mask_TE, weights_TE, mask_TE.sum(dim=-1), gates_TE, probs_TE, logits_TE)

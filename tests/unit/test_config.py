@@ -50,6 +50,18 @@ def test_bad_values_name_field_and_value(override, message):
         load_config(None, [override])
 
 
+@pytest.mark.parametrize("key", ["swiglu_alpha", "swiglu_limit"])
+def test_the_gpt_oss_clamp_is_read_from_the_checkpoint_never_from_a_run_file(key):
+    with pytest.raises(ValueError, match=rf"moe\.{key} is taken from the model \(the gpt-oss checkpoint's config\)"):
+        load_config(None, [f"moe.{key}=2.0"])
+    assert key not in RunConfig().to_toml()
+
+
+def test_the_native_router_is_a_run_option_with_no_losses_of_ours():
+    cfg = load_config(None, ["moe.router='native'"])
+    assert cfg.moe.router == "native" and cfg.moe.aux_losses == ()  # no top-any preset applies
+
+
 def test_help_lists_every_option_with_meaning():
     text = options_help()
     assert "train.lr = 0.001" in text and "Peak learning rate" in text

@@ -122,8 +122,13 @@ def _thresholds(router: nn.Module) -> Optional[List[float]]:
 
 def unshared_state(model: nn.Module) -> Dict[str, torch.Tensor]:
     """state_dict without tied duplicates (safetensors refuses shared storage; ties are restored on load)."""
+    return unshared(model.state_dict())
+
+
+def unshared(full: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``full`` without tied duplicates (the first name of each storage kept), as contiguous CPU copies."""
     state, seen = {}, set()
-    for name, t in model.state_dict().items():
+    for name, t in full.items():
         key = (t.data_ptr(), t.shape)
         if key in seen:
             continue

@@ -16,25 +16,35 @@ from typing import Iterable, List, Optional
 import torch.nn as nn
 from torch import Tensor
 
-from ...moe.aux_collector import report_aux_loss
+from ...moe.aux_collector import report_aux_loss, report_balance_term
 from ...moe.config import MoEConfig
-from ...moe.layer import MoELayer
+from ...moe.layer import MoELayer, MoEOutput
 from ...moe.upcycle import upcycled_layer
 from .adapters import find_mlps
 
 
 class MoEBlock(nn.Module):
-    """An MoE layer in the place of an HF MLP: x_BLD -> y_BLD; the aux loss goes to the open collection."""
+    """An MoE layer in the place of an HF MLP: x_BLD -> y_BLD; the aux loss goes to the open collection.
+
+    Imported MoE families (models/hf/moe_families.py) subclass it to add their shared experts or to return
+    what their own block returned; ``run`` is the part they share."""
 
     def __init__(self, moe: MoELayer, dropout: Optional[nn.Module] = None):
         super().__init__()
         self.moe = moe
         self.dropout = dropout if dropout is not None else nn.Identity()
 
-    def forward(self, x_BLD: Tensor) -> Tensor:
+    def run(self, x_BLD: Tensor) -> MoEOutput:
+        """The MoE layer's output (dropout applied), its aux loss and joint-balance statistics reported."""
         out = self.moe(x_BLD)
         report_aux_loss(out.aux_loss)
-        return self.dropout(out.output)
+        if out.balance is not None:
+            report_balance_term(out.balance)
+        out.output = self.dropout(out.output)
+        return out
+
+    def forward(self, x_BLD: Tensor) -> Tensor:
+        return self.run(x_BLD).output
 
 
 def moe_blocks(model: nn.Module) -> List[MoEBlock]:

@@ -33,4 +33,5 @@ class HFCausalLM(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> ModelOutput:
         with collect_aux_losses() as aux:
             out = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        return ModelOutput(out.logits, aux.total(out.logits))
+        # The mask drops padding from an imported MoE family's joint load-balance loss, as transformers does.
+        return ModelOutput(out.logits, aux.total(out.logits, attention_mask))

@@ -1,0 +1,161 @@
+"""import_moe: a transformers MoE model (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, gpt-oss) with every sparse
+block replaced, in place, by an MoE block holding a ``moe.layer.MoELayer``: the family's own routing
+('native') or DynMoE's top-any, one expert module per logical expert, the shared experts kept as they are.
+
+Shape legend: B batch, L sequence length, D model dim, T = B * L tokens, E experts.
+
+Each block keeps its decoder layer's contract (same call, same return type; gpt-oss's returns a pair), so
+attention, caches and ``generate()`` keep working. Its aux loss and its share of the family's joint
+load-balance loss go to the collection the caller opened (moe/aux_collector.py), as for upcycled blocks:
+transformers' own loss path reads router logits that our routers do not record, so the model's
+``output_router_logits`` is switched off and the collection's owner (``HFCausalLM``) adds the loss instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from ...moe.config import MoEConfig
+from ...moe.experts import ExpertBank, expert_param_specs, expert_with
+from ...moe.layer import MoELayer, NativeRouter, TopAnyRouter
+from .moe_families import DeepSeekV3, GptOss, MoEFamily, Qwen2MoE, expert_tensors, family_of
+from .upcycle import MoEBlock
+
+ThresholdHook = Callable[[str, MoELayer], Tensor]
+"""(block prefix, converted top-any layer) -> thresholds (E,): where threshold calibration plugs in."""
+
+
+class SharedExpertBlock(MoEBlock):
+    """Qwen2-MoE: routed experts + sigmoid(shared_expert_gate(x)) * shared_expert(x), both modules the
+    checkpoint's own (their keys map to themselves)."""
+
+    def __init__(self, moe: MoELayer, shared_expert: nn.Module, shared_expert_gate: nn.Module):
+        super().__init__(moe)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = shared_expert_gate
+
+    def forward(self, x_BLD: Tensor) -> Tensor:
+        routed_BLD = self.run(x_BLD).output
+        return routed_BLD + torch.sigmoid(self.shared_expert_gate(x_BLD)) * self.shared_expert(x_BLD)
+
+
+class SharedExpertsBlock(MoEBlock):
+    """DeepSeek-V3: routed experts + the always-on shared experts (one MLP n_shared_experts wide)."""
+
+    def __init__(self, moe: MoELayer, shared_experts: nn.Module):
+        super().__init__(moe)
+        self.shared_experts = shared_experts
+
+    def forward(self, x_BLD: Tensor) -> Tensor:
+        return self.run(x_BLD).output + self.shared_experts(x_BLD)
+
+
+class RouterScoresBlock(MoEBlock):
+    """gpt-oss: its MLP returns (hidden, router scores) and the decoder layer drops the scores; the combine
+    weights (T, E) stand in for them."""
+
+    def forward(self, x_BLD: Tensor) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
+        out = self.run(x_BLD)
+        return out.output, out.routing.weights
+
+
+def sparse_blocks(model: nn.Module, family: MoEFamily) -> List[Tuple[str, nn.Module]]:
+    """(prefix, decoder layer) of every sparse block, checked to hold the family's fused experts."""
+    names = {id(m): n for n, m in model.named_modules()}
+    layers = getattr(getattr(model, getattr(model, "base_model_prefix", ""), model), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__}: no decoder layers (model.layers) found")
+    found = []
+    for index in family.sparse_layers():
+        mlp = layers[index].mlp
+        if not isinstance(getattr(getattr(mlp, "experts", None), "gate_up_proj", None), torch.Tensor):
+            raise ValueError(
+                f"{names[id(mlp)]}: expected the {family.name} sparse MoE block (experts.gate_up_proj), "
+                f"found {type(mlp).__name__}"
+            )
+        found.append((names[id(mlp)], layers[index]))
+    return found
+
+
+def converted_layer(family: MoEFamily, mlp: nn.Module, config: MoEConfig) -> MoELayer:
+    """An MoE layer computing ``mlp``'s routed experts: one expert per fused slice, the router converted."""
+    fused = {key: mlp.get_parameter(key) for key in family.fused_keys()}
+    like = fused["experts.gate_up_proj"]
+    names = [name for name, _ in expert_param_specs(config)]
+    experts = [
+        expert_with([tensors[n].detach() for n in names], config)
+        for tensors in (expert_tensors(family, fused, e) for e in range(config.num_experts))
+    ]
+    rule = family.rule() if config.router == "native" else None
+    layer = MoELayer(config, ExpertBank(config, experts), rule=rule).to(device=like.device, dtype=like.dtype)
+    _copy_router(layer, family, mlp)
+    return layer.train(mlp.training)
+
+
+def _router_tensors(family: MoEFamily, mlp: nn.Module) -> Dict[str, Tensor]:
+    """Router tensor name -> the block's tensor (DeepSeek's correction bias is a buffer, the rest parameters)."""
+    state = dict(mlp.named_parameters()) | dict(mlp.named_buffers())
+    return {name: state[key] for name, key in family.router_keys().items()}
+
+
+def _copy_router(layer: MoELayer, family: MoEFamily, mlp: nn.Module) -> None:
+    """The checkpoint's router tensors, in their own dtype (DeepSeek keeps its router in float32 in a bf16
+    model and routes in float32): gate vectors of a top-any / top-k / top-p router start as its rows, and
+    only a native router keeps its bias and correction bias (the others have no place for them)."""
+    source = _router_tensors(family, mlp)
+    router = layer.router
+    router.weight = nn.Parameter(source["weight"].detach().clone())
+    if isinstance(router, NativeRouter):
+        if "bias" in source:
+            router.bias = nn.Parameter(source["bias"].detach().clone())
+        if "e_score_correction_bias" in source:
+            router.e_score_correction_bias = source["e_score_correction_bias"].detach().clone()
+
+
+def _block(family: MoEFamily, mlp: nn.Module, layer: MoELayer) -> MoEBlock:
+    if isinstance(family, Qwen2MoE):
+        return SharedExpertBlock(layer, mlp.get_submodule("shared_expert"), mlp.get_submodule("shared_expert_gate"))
+    if isinstance(family, DeepSeekV3):
+        return SharedExpertsBlock(layer, mlp.get_submodule("shared_experts"))
+    if isinstance(family, GptOss):
+        return RouterScoresBlock(layer)
+    return MoEBlock(layer)
+
+
+def import_moe(
+    hf_model: nn.Module, moe_config: Optional[MoEConfig] = None, *, thresholds: Optional[ThresholdHook] = None
+) -> nn.Module:
+    """Replace every sparse MoE block of ``hf_model`` in place (dense layers stay dense); returns the model.
+
+    ``moe_config`` (default: router 'native') gives the routing and losses; sizes, expert count and expert
+    kind come from the checkpoint. With router 'top_any' the gate vectors start as the router's rows and the
+    thresholds at ``threshold_init`` (0 by default) until ``thresholds`` (a calibration) sets them per block.
+    """
+    family = family_of(hf_model)
+    config = family.layer_config(moe_config if moe_config is not None else MoEConfig(router="native"))
+    if thresholds is not None and config.router != "top_any":
+        raise ValueError(f"thresholds: a threshold hook needs router 'top_any', router is {config.router!r}")
+    for prefix, decoder_layer in sparse_blocks(hf_model, family):
+        mlp = decoder_layer.get_submodule("mlp")
+        layer = converted_layer(family, mlp, config)
+        if thresholds is not None:
+            _set_thresholds(layer, thresholds(prefix, layer), prefix)
+        decoder_layer.mlp = _block(family, mlp, layer).train(mlp.training)
+    # transformers' loss path reads router logits recorded from its own router classes, which are gone;
+    # the family's loss now comes from the aux collection (the NativeRule keeps the switch and the weight,
+    # and stock_layout.stock_config puts the switch back when the model is written out).
+    cast(Any, hf_model).config.output_router_logits = False
+    return hf_model
+
+
+def _set_thresholds(layer: MoELayer, values_E: Tensor, prefix: str) -> None:
+    assert isinstance(layer.router, TopAnyRouter), "import_moe checked the router is top_any"
+    threshold = layer.router.threshold
+    if values_E.shape != threshold.shape:
+        raise ValueError(f"thresholds for {prefix}: shape {tuple(values_E.shape)} != ({layer.num_experts},)")
+    with torch.no_grad():
+        threshold.copy_(values_E)
