@@ -16,6 +16,7 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 EXPERT_KINDS = ("ffn", "gated", "gpt_oss")
 TRAIN_K0_MODES = ("zero", "top1")
 EVAL_K0_MODES = ("top1", "skip")
+COMBINE_MODES = ("equal", "softmax")
 EXPERT_COMPUTE = ("auto", "grouped_mm", "loop")
 
 # The baselines' losses; a top-any layer takes its moe.preset's (default_aux_losses below).
@@ -63,6 +64,7 @@ ROUTER_FIELDS = {
     "threshold_init": ("top_any",),
     "train_k0": ("top_any",),  # only top-any lets a token select no expert
     "eval_k0": ("top_any",),
+    "combine": ("top_any",),
     "preset": ("top_any",),
 }
 
@@ -172,6 +174,10 @@ class MoEConfig:
     """Training, token with k = 0: 'zero' (MoE output 0, rides the residual; the reference) or 'top1'."""
     eval_k0: str = "top1"
     """Evaluation, token with k = 0: 'top1' (argmax fallback; the reference) or 'skip' (output 0)."""
+    combine: str = "equal"
+    """Top-any combine weights: 'equal' (1/k over the k chosen experts: DynMoE) or 'softmax' (softmax of the
+    router logits x . W_e over the chosen experts: for a router converted from a transformers MoE, its own
+    probabilities renormalised over what top-any chose)."""
     expert_compute: str = "auto"
     """Expert matmuls: 'grouped_mm' (torch._grouped_mm), 'loop' (one matmul per expert) or 'auto'."""
     init_std: float = 0.02
@@ -237,6 +243,7 @@ class MoEConfig:
         )
         _require(self.train_k0 in TRAIN_K0_MODES, f"train_k0 ({self.train_k0!r}) must be one of {TRAIN_K0_MODES}")
         _require(self.eval_k0 in EVAL_K0_MODES, f"eval_k0 ({self.eval_k0!r}) must be one of {EVAL_K0_MODES}")
+        _require(self.combine in COMBINE_MODES, f"combine ({self.combine!r}) must be one of {COMBINE_MODES}")
         _require(
             self.expert_compute in EXPERT_COMPUTE,
             f"expert_compute ({self.expert_compute!r}) must be one of {EXPERT_COMPUTE}",

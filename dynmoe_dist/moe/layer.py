@@ -101,6 +101,7 @@ class TopAnyRouter(nn.Module):
             training=training,
             train_k0=self.config.train_k0,
             eval_k0=self.config.eval_k0,
+            combine=self.config.combine,
         )
 
     def resize(self, keep: List[int], new_weight_ND: Tensor) -> None:

@@ -86,10 +86,13 @@ def top_any(
     scale: float = 1.0,
     train_k0: str = "zero",
     eval_k0: str = "top1",
+    combine: str = "equal",
 ) -> Routing:
     """DynMoE top-any gating: token t selects every expert e with sigmoid(s cos) > sigmoid(s G_e).
 
-    Combine weights are 1/k (k = selected count, an integer: no gradient flows through it).
+    Combine weights are 1/k (k = selected count, an integer: no gradient flows through it), or with
+    ``combine='softmax'`` the softmax of the logits x . W_e over the chosen experts (a router converted
+    from a transformers MoE: its own probabilities, renormalised over what top-any chose).
     Tokens with k = 0 get output 0 in training (``train_k0='zero'``, the reference) or the top-1
     fallback (``'top1'``); at evaluation they fall back to top-1 (``eval_k0='top1'``, the reference)
     or skip the layer (``'skip'``).
@@ -99,12 +102,26 @@ def top_any(
     gates_TE = straight_through_sign(F.relu(probs_TE - threshold_E))
     mask_TE = gates_TE.detach() > 0
     num_selected_T = mask_TE.sum(dim=-1)
-    weights_TE = gates_TE / num_selected_T.clamp(min=1).unsqueeze(-1).to(gates_TE.dtype)
+    if combine == "softmax":
+        weights_TE = gates_TE * chosen_softmax(x_TD, weight, mask_TE)
+    else:
+        weights_TE = gates_TE / num_selected_T.clamp(min=1).unsqueeze(-1).to(gates_TE.dtype)
     k0_mode = train_k0 if training else eval_k0
     if k0_mode == "top1":
         mask_TE, weights_TE = _top1_fallback(probs_TE, mask_TE, weights_TE, num_selected_T)
         num_selected_T = mask_TE.sum(dim=-1)
     return Routing(mask_TE, weights_TE, num_selected_T, gates_TE, probs_TE)
+
+
+def chosen_softmax(x_TD: Tensor, weight: Tensor, mask_TE: Tensor) -> Tensor:
+    """softmax of the router logits x . W_e over each token's chosen experts (0 elsewhere, and for a token
+    that chose none): a converted router's native probabilities renormalised over the top-any choice."""
+    dtype = torch.promote_types(gate_dtype(x_TD), gate_dtype(weight))
+    logits_TE = x_TD.to(dtype) @ weight.to(dtype).t()
+    masked_TE = logits_TE.masked_fill(~mask_TE, float("-inf"))
+    any_T1 = mask_TE.any(dim=-1, keepdim=True)
+    soft_TE = torch.softmax(masked_TE.masked_fill(~any_T1, 0.0), dim=-1)
+    return soft_TE * mask_TE
 
 
 def _top1_fallback(

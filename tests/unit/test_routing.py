@@ -219,3 +219,23 @@ def test_top_any_scores_are_sigmoid_of_per_token_cosines():
     cos = torch.tensor([[s, s, -s], [-1.0, 0.0, 1.0], [0.0, -1.0, 0.0]])
     r = top_any(tokens, gate, torch.zeros(3), training=True)
     torch.testing.assert_close(r.probs, torch.sigmoid(cos))
+
+
+def test_top_any_softmax_combine_renormalises_the_router_logits_over_the_chosen():
+    # 3 tokens, 3 experts with gate rows e0 = (1, 0), e1 = (0, 1), e2 = (1, 1); thresholds pick
+    # token 0 = (2, 1): cos (0.89, 0.45, 0.95) > 0.5 -> experts 0, 2; logits x.W = (2, 1, 3)
+    # token 1 = (-1, 0): cos (-1, 0, -0.71) -> none (weights stay 0, the top-1 fallback adds weight 1 at eval)
+    # token 2 = (0, 3): cos (0, 1, 0.71) -> experts 1, 2; logits (0, 3, 3)
+    x_TD = torch.tensor([[2.0, 1.0], [-1.0, 0.0], [0.0, 3.0]], dtype=torch.float64)
+    gate_ED = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    threshold_E = torch.full((3,), 0.5, dtype=torch.float64)
+    r = top_any(x_TD, gate_ED, threshold_E, training=True, combine="softmax")
+    assert r.mask.tolist() == [[True, False, True], [False, False, False], [False, True, True]]
+    e = torch.exp(torch.tensor(1.0, dtype=torch.float64))
+    want = torch.tensor([[1 / (1 + e), 0, e / (1 + e)], [0, 0, 0], [0, 0.5, 0.5]], dtype=torch.float64)
+    torch.testing.assert_close(r.weights, want, rtol=0, atol=1e-12)
+    assert top_any(x_TD, gate_ED, threshold_E, training=True).weights[0].tolist() == [0.5, 0, 0.5]  # equal
+    # the gradient reaches the gate rows through the logits, not only through the straight-through gates
+    gate = gate_ED.clone().requires_grad_(True)
+    top_any(x_TD, gate, threshold_E, training=True, combine="softmax").weights[0, 0].backward()
+    assert gate.grad[0].abs().sum() > 0 and gate.grad[2].abs().sum() > 0
