@@ -561,7 +561,9 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
         if not isinstance(section_values, dict):
             raise ValueError(f"section [{section}] must be a table, got {section_values!r}")
         section_values[key] = value
-    config = from_dict(data)
+    user_set = frozenset(f"{name}.{key}" for name, values in data.items() if isinstance(values, dict) for key in values)
+    imported_moe_defaults(data)
+    config = dataclasses.replace(from_dict(data), explicit=user_set)
     check_world(config, world_size_from_env())
     check_resume(config.output)
     # Imported here: the tasks import torch and the models, which config.py must not need to load.
@@ -574,6 +576,35 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     if "model.path" in (spec.reads or ()):
         resolve_num_layers(config.model)
     return config
+
+
+def imported_moe_defaults(data: Dict[str, Any]) -> None:
+    """model.source = 'hf' naming a transformers MoE (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V3, gpt-oss): its own
+    routing unless moe.router says otherwise (before the DynMoE preset could fill in top-any's options), its
+    expert count, and its sparse blocks as model.moe_layers. Reads config.json only; no weights."""
+    model, moe = data.get("model", {}), data.setdefault("moe", {})
+    if not isinstance(model, dict) or not isinstance(moe, dict) or model.get("source") != "hf":
+        return
+    directory = Path(str(model.get("path", ""))).expanduser()
+    if not (directory / "config.json").is_file():
+        return  # a GGUF file or a package: dense models only; a missing path fails in the task's check
+    from .models.hf.moe_families import imported_moe
+
+    found = imported_moe(directory)
+    if found is None:
+        return
+    where = f"model.path ({str(model['path'])!r}) is a {found.model_type} with {found.num_experts} experts per layer"
+    if "num_experts" in moe:
+        raise ValueError(f"moe.num_experts ({moe['num_experts']!r}) cannot be set: {where}")
+    calibrate_k = moe.get("calibrate_k", 0)
+    if isinstance(calibrate_k, int) and calibrate_k > found.num_experts:
+        raise ValueError(f"moe.calibrate_k ({calibrate_k}) > the {found.num_experts} experts: {where}")
+    layers = list(found.sparse_layers)
+    if "moe_layers" in model and sorted(model["moe_layers"]) != layers:
+        raise ValueError(f"model.moe_layers ({model['moe_layers']}) != the MoE blocks {layers}: {where}")
+    model["moe_layers"] = layers
+    moe["num_experts"] = found.num_experts
+    moe.setdefault("router", "native")
 
 
 def resolve_num_layers(model: ModelConfig) -> None:

@@ -26,7 +26,7 @@ from .models.build import build_model
 from .models.hf.pretrained import base_model_type, dynmoe_section, save_exported
 from .models.hf.wrappers import HFCausalLM
 from .moe.experts import expert_key
-from .moe.layer import find_moe_layers, rebuild_experts
+from .moe.layer import dense_state_tensors, find_moe_layers, rebuild_experts
 from .tasks.base import ModelNeeds
 from .train.checkpoint import read_checkpoint_dense, read_checkpoint_experts, read_checkpoint_meta, saved_expert_counts
 
@@ -58,9 +58,9 @@ def fill_experts(model: nn.Module, experts: Mapping[str, Dict], meta: Dict, wher
 
 
 def fill_dense(model: nn.Module, dense: Mapping[str, torch.Tensor], where: Path) -> None:
-    """Every parameter that is not an expert's, by its name in the trainer's model (the checkpoint's names)."""
-    expert_ids = {id(p) for _, layer in find_moe_layers(model) for p in layer.experts.parameters()}
-    named = {n: p for n, p in model.named_parameters() if id(p) not in expert_ids}
+    """The dense state (every parameter that is not an expert's, the routers' buffers), by its name in the
+    trainer's model (the checkpoint's names)."""
+    named = dict(dense_state_tensors(model))
     unplaced = sorted(set(dense) - set(named))
     if unplaced:
         raise ValueError(f"{where}: dense parameter {unplaced[0]!r} has no place in {type(model).__name__}")

@@ -12,7 +12,10 @@ knows: class or vocabulary counts, sequence length, image size, the tokenizer it
   minilm-classifier   builtin       the pre-trained all-MiniLM-L6-v2 in needs.tokenizer's directory + a
                                     fresh head; the FFNs of model.moe_layers upcycled into DynMoE layers
   causal-lm           hf            model.path through transformers; the dense MLPs of model.moe_layers
-                                    upcycled; wrapped as HFCausalLM
+                                    upcycled; wrapped as HFCausalLM. A transformers MoE (Mixtral, Qwen2/3-MoE,
+                                    OLMoE, DeepSeek-V3, gpt-oss) is imported instead: its sparse blocks become
+                                    MoE layers (its own routing or top-any), built on the meta device and
+                                    filled after placement (each rank reads its share: models/hf/imported.py)
   causal-lm           builtin       CausalLM (transformer.py), from scratch
 Then the parameters under the ``model.freeze`` prefixes are frozen (prefixes as the model names them:
 'model.embed_tokens' for a transformers LM, 'embeddings' / 'layers.N' or 'bert...' for MiniLM).
@@ -20,6 +23,7 @@ Then the parameters under the ``model.freeze`` prefixes are frozen (prefixes as 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Protocol, Tuple
 
 import torch.nn as nn
@@ -144,9 +148,39 @@ def _minilm_classifier(model: ModelSection, moe: MoEConfig, needs: TaskNeeds) ->
 
 
 def _hf_causal_lm(model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> nn.Module:
-    from .hf.loading import load_model
+    from .hf.loading import load_model, resolve
+    from .hf.moe_families import imported_moe
 
+    directory, gguf_file = resolve(model.path)
+    if gguf_file is None and imported_moe(directory) is not None:
+        return _imported_moe(directory, model, moe, needs)
     return hf_causal_lm_from(load_model(model.path, "causal-lm"), model, moe, needs)
+
+
+def _imported_moe(directory: Path, model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> nn.Module:
+    """A transformers MoE with MoE blocks in place of its sparse blocks (its own routing, or converted to
+    top-any), on the meta device: the trainer reads each rank's share of the weights once it has placed the
+    experts and sharded the dense weights (train/parts.py). The checkpoint's tensors are checked here, so a
+    bad file fails before any process group exists."""
+    from .hf import HFCausalLM
+    from .hf.imported import build_on_meta, open_imported
+
+    hf_model = build_on_meta(directory, moe)
+    open_imported(directory, hf_model)
+    _check_vocabulary(hf_model, needs)
+    freeze_parameters(hf_model, model.freeze)
+    return HFCausalLM(hf_model)
+
+
+def _check_vocabulary(hf_model: nn.Module, needs: TaskNeeds) -> None:
+    from .hf.loading import input_embeddings
+
+    vocab = input_embeddings(hf_model).num_embeddings
+    if needs.num_outputs > vocab:
+        raise ValueError(
+            f"task.tokenizer ({needs.tokenizer!r}) has {needs.num_outputs} tokens, more than the "
+            f"model's {vocab} embeddings: it is not this model's tokenizer"
+        )
 
 
 def hf_causal_lm_from(hf_model: nn.Module, model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> nn.Module:
@@ -154,7 +188,6 @@ def hf_causal_lm_from(hf_model: nn.Module, model: ModelSection, moe: MoEConfig, 
     against model.num_layers, its vocabulary against the task's tokenizer, model.moe_layers upcycled,
     model.freeze applied (names as in the transformers model: 'model.embed_tokens', 'model.layers.0')."""
     from .hf import HFCausalLM, num_mlp_blocks, upcycle_hf
-    from .hf.loading import input_embeddings
 
     num_blocks = num_mlp_blocks(hf_model)
     if model.num_layers != num_blocks:
@@ -162,12 +195,7 @@ def hf_causal_lm_from(hf_model: nn.Module, model: ModelSection, moe: MoEConfig, 
             f"model.num_layers ({model.num_layers}) != the {num_blocks} blocks of {type(hf_model).__name__} "
             f"at model.path ({model.path!r}); set model.num_layers = {num_blocks}"
         )
-    vocab = input_embeddings(hf_model).num_embeddings
-    if needs.num_outputs > vocab:
-        raise ValueError(
-            f"task.tokenizer ({needs.tokenizer!r}) has {needs.num_outputs} tokens, more than the "
-            f"model's {vocab} embeddings: it is not this model's tokenizer"
-        )
+    _check_vocabulary(hf_model, needs)
     if model.moe_layers:
         upcycle_hf(hf_model, moe, layers=list(model.moe_layers))
     freeze_parameters(hf_model, model.freeze)

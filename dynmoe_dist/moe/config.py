@@ -65,6 +65,8 @@ ROUTER_FIELDS = {
     "train_k0": ("top_any",),  # only top-any lets a token select no expert
     "eval_k0": ("top_any",),
     "combine": ("top_any",),
+    "calibrate_k": ("top_any",),
+    "calibrate_samples": ("top_any",),
     "preset": ("top_any",),
 }
 
@@ -174,6 +176,12 @@ class MoEConfig:
     """Training, token with k = 0: 'zero' (MoE output 0, rides the residual; the reference) or 'top1'."""
     eval_k0: str = "top1"
     """Evaluation, token with k = 0: 'top1' (argmax fallback; the reference) or 'skip' (output 0)."""
+    calibrate_k: int = 0
+    """Top-any converted from an imported MoE (model.path a Mixtral, Qwen-MoE, ...): per-expert thresholds
+    are calibrated on a sample of the training data so that the mean experts per token starts at this k
+    (0 = the model's own k), each expert keeping its share of the model's own routing."""
+    calibrate_samples: int = 32
+    """Training sequences (the first of the first epoch's order, over all ranks) the calibration routes."""
     combine: str = "equal"
     """Top-any combine weights: 'equal' (1/k over the k chosen experts: DynMoE) or 'softmax' (softmax of the
     router logits x . W_e over the chosen experts: for a router converted from a transformers MoE, its own
@@ -243,6 +251,8 @@ class MoEConfig:
         )
         _require(self.train_k0 in TRAIN_K0_MODES, f"train_k0 ({self.train_k0!r}) must be one of {TRAIN_K0_MODES}")
         _require(self.eval_k0 in EVAL_K0_MODES, f"eval_k0 ({self.eval_k0!r}) must be one of {EVAL_K0_MODES}")
+        _require(self.calibrate_k >= 0, f"calibrate_k ({self.calibrate_k}) must be >= 0")
+        _require(self.calibrate_samples >= 1, f"calibrate_samples ({self.calibrate_samples}) must be >= 1")
         _require(self.combine in COMBINE_MODES, f"combine ({self.combine!r}) must be one of {COMBINE_MODES}")
         _require(
             self.expert_compute in EXPERT_COMPUTE,

@@ -219,6 +219,17 @@ def rebuild_experts(layer: "MoELayer", num_experts: int, experts: Sequence[Mappi
     layer.experts.set_experts([expert_from_named(named, layer.config, like) for named in experts])
 
 
+def dense_state_tensors(model: nn.Module) -> List[Tuple[str, Tensor]]:
+    """(name, tensor) of everything a model's dense state holds: every parameter that is not an expert's
+    (routers included) and every saved buffer of the MoE routers (DeepSeek-V3's correction bias, which no
+    gradient trains but events slice). Experts are saved apart, by logical id."""
+    layers = [layer for _, layer in find_moe_layers(model)]
+    expert_ids = {id(p) for layer in layers for p in layer.experts.parameters()}
+    router_buffers = {id(b) for layer in layers for b in layer.router.buffers()}
+    params = [(n, p) for n, p in model.named_parameters() if id(p) not in expert_ids]
+    return params + [(n, b) for n, b in model.named_buffers() if id(b) in router_buffers]
+
+
 def find_moe_layers(model: nn.Module) -> List[Tuple[str, "MoELayer"]]:
     """(qualified name, layer) of every MoE layer, in module order: the layer index used everywhere."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]

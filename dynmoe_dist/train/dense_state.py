@@ -22,7 +22,6 @@ from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
@@ -32,7 +31,8 @@ from ..parallel.groups import CollectiveError, ParallelGroups, named
 DENSE_DIR = "dense"
 PARAM, ADAM = "param/", "adam/"
 METADATA_FILE = ".metadata"
-NamedParams = Sequence[Tuple[str, nn.Parameter]]
+NamedParams = Sequence[Tuple[str, torch.Tensor]]
+"""(name, tensor) of the dense state: parameters (with their Adam state) and the routers' saved buffers."""
 
 
 class CheckpointError(ValueError):
@@ -156,7 +156,7 @@ def _load_targets(params: NamedParams, metadata: Metadata, directory: Path) -> T
     entries = metadata.state_dict_metadata
     shapes = saved_shapes(metadata)
     targets: Dict[str, torch.Tensor] = {}
-    adam: Dict[nn.Parameter, Dict[str, torch.Tensor]] = {}
+    adam: Dict[torch.Tensor, Dict[str, torch.Tensor]] = {}
     for name, p in params:
         if name not in shapes:
             raise CheckpointError(f"{directory}: no saved weights for parameter {name}")

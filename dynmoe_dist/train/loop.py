@@ -16,9 +16,8 @@ import torch
 
 from ..config import RunConfig
 from ..models.build import build_model
-from ..moe.layer import MoELayer
+from ..moe.layer import MoELayer, dense_state_tensors
 from ..parallel.groups import ParallelGroups, current_world_size, sum_over_ranks
-from ..parallel.reshard import dense_named_parameters
 from ..planning.packing import rank_loads as rank_loads_of
 from ..tasks import build_task
 from .checkpoint import CheckpointManager, Part
@@ -96,9 +95,7 @@ class Trainer:
         states: Dict[str, Part] = {
             "trainer": self,
             "experts": ExpertFiles(parts.experts, parts.groups),
-            "dense": DenseFiles(
-                lambda: dense_named_parameters(parts.model, parts.experts.shards), parts.optimizer, parts.groups
-            ),
+            "dense": DenseFiles(lambda: dense_state_tensors(parts.model), parts.optimizer, parts.groups),
             "recorders": self.recorders,
         }
         if adaptive is not None:

@@ -25,7 +25,9 @@ first_k_dense_replace). Shared experts stay the family's own modules under their
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import torch
@@ -360,3 +362,39 @@ def fuse_experts(family: MoEFamily, experts: Sequence[Mapping[str, Tensor]]) -> 
             for name, s in layout.items():
                 s.put(fused[s.key], position, params[name].detach())
     return fused
+
+
+# -- a run's model.path, seen before anything is built (config.load_config) ---------------------------------
+# Config fields that hold an expert count in transformers' MoE configs: a config.json with one of them (and
+# a non-zero value) describes an MoE, whether or not its family is supported.
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+@dataclass(frozen=True)
+class ImportedMoE:
+    """What a run's config needs to know of a transformers MoE at model.path, before it is built."""
+
+    model_type: str
+    num_experts: int
+    top_k: int
+    sparse_layers: Tuple[int, ...]
+
+
+def imported_moe(directory: Path, field: str = "model.path") -> Optional[ImportedMoE]:
+    """The MoE at ``directory`` (a save_pretrained directory), None for a dense model; a one-line ValueError
+    naming the model type for an MoE family this project does not support, listing those it does."""
+    raw = json.loads((directory / "config.json").read_text())
+    model_type = raw.get("model_type")
+    if model_type not in FAMILIES:
+        counts = [key for key in EXPERT_COUNT_KEYS if isinstance(raw.get(key), int) and raw[key] > 0]
+        if counts:
+            raise ValueError(
+                f"{field} ({str(directory)!r}) is a {model_type!r} mixture of experts ({counts[0]} = "
+                f"{raw[counts[0]]}), which is not supported; supported MoE families: {', '.join(FAMILIES)}"
+            )
+        return None
+    from transformers import AutoConfig
+
+    family = family_of(AutoConfig.from_pretrained(str(directory), local_files_only=True))
+    top_k = int(family.config.num_experts_per_tok)
+    return ImportedMoE(model_type, family.num_experts(), top_k, tuple(family.sparse_layers()))

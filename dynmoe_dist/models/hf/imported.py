@@ -1,0 +1,112 @@
+"""An imported transformers MoE (model.path a Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3 or gpt-oss directory)
+built WITHOUT its weights, and the checkpoint those weights come from.
+
+A checkpoint may be too large for one rank. So the model is built on the meta device (buffers, e.g. the
+rotary frequencies, stay real), its sparse blocks are replaced by MoE blocks (``import_moe``), and every
+tensor the model will need is checked against the files' headers (shape and presence) before anything
+else happens. After expert parallelism and FSDP decided what a rank holds, the trainer fills it from an
+``ImportedCheckpoint``: each dense tensor whole or only its FSDP rows, each expert the rank holds from its
+slice of the files (safetensors ``get_slice``): no rank ever loads the whole model.
+
+Keys: the model's own names are the checkpoint's, except each MoE block's router (``P.moe.router.weight``
+-> ``P.gate.weight``, Mixtral's ``block_sparse_moe``) and its experts (read by logical id through
+stock_layout.read_expert).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Tuple, cast
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from ...moe.config import MoEConfig
+from ...moe.layer import dense_state_tensors
+from .moe_families import MoEFamily, family_of, sparse_block_prefixes
+from .moe_import import import_moe
+from .safetensors_reader import CheckpointReader
+from .stock_layout import check_block_shapes, read_expert
+
+
+def build_on_meta(directory: Path, moe: MoEConfig) -> nn.Module:
+    """The transformers model of ``directory``'s config with MoE blocks in place of its sparse blocks, every
+    parameter on the meta device (no weights read), in training mode, tied weights tied."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    with init_empty_weights(include_buffers=False):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        hf.tie_weights()
+        import_moe(hf, moe)
+    return hf.train()
+
+
+class ImportedCheckpoint:
+    """The safetensors files of an imported MoE, read by the model's own parameter names and by logical
+    expert; only the requested bytes are read."""
+
+    def __init__(self, directory: Path, hf_model: nn.Module):
+        self.reader = CheckpointReader(directory)
+        self.family: MoEFamily = family_of(hf_model)
+        self.prefixes: List[str] = sparse_block_prefixes(hf_model)
+        self.router_keys: Dict[str, str] = {
+            f"{prefix}.moe.router.{name}": key
+            for prefix in self.prefixes
+            for name, key in self.family.checkpoint_router_keys(prefix).items()
+        }
+
+    def key(self, name: str) -> str:
+        """The checkpoint's key of the model's parameter or buffer ``name``."""
+        return self.router_keys.get(name, name)
+
+    def rows(self, name: str, start: int, stop: int) -> Tensor:
+        return self.reader.rows(self.key(name), start, stop)
+
+    def tensor(self, name: str) -> Tensor:
+        return self.reader.tensor(self.key(name))
+
+    def expert(self, layer: int, expert: int) -> Dict[str, Tensor]:
+        """Logical expert ``expert`` of MoE layer ``layer`` (the i-th sparse block): parameter name -> tensor."""
+        return read_expert(self.reader, self.family, self.prefixes[layer], expert)
+
+    def check(self, hf_model: nn.Module) -> None:
+        """Every tensor the model needs is in the files with the model's shape (headers only): a one-line
+        ValueError naming the file and the key otherwise."""
+        for prefix in self.prefixes:
+            check_block_shapes(self.reader, self.family, prefix)
+        for name, want in dense_tensors(hf_model):
+            key = self.key(name)
+            have = self.reader.shape(key)  # ValueError naming the directory for a missing key
+            if tuple(have) != tuple(want):
+                raise ValueError(f"{self.reader.file_of(key)}: {key} has shape {tuple(have)}, the model's is {want}")
+
+
+def dense_tensors(hf_model: nn.Module) -> List[Tuple[str, Tuple[int, ...]]]:
+    """(name, shape) of what is read by name: the model's dense state (moe.layer.dense_state_tensors)."""
+    return [(name, tuple(t.shape)) for name, t in dense_state_tensors(hf_model)]
+
+
+def open_imported(directory: Path, hf_model: nn.Module) -> ImportedCheckpoint:
+    checkpoint = ImportedCheckpoint(directory, hf_model)
+    checkpoint.check(hf_model)
+    return checkpoint
+
+
+def is_on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def allocate(model: nn.Module, hf_model: nn.Module, device: torch.device) -> None:
+    """Give every meta tensor of ``model`` (which holds ``hf_model``) uninitialised storage on ``device``:
+    the buffers built for real (the rotary frequencies, computed from the config) keep their values, tied
+    weights stay tied. The caller fills the parameters (a checkpoint, a training checkpoint)."""
+    kept = {name: b.detach().clone() for name, b in hf_model.named_buffers() if not b.is_meta}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in hf_model.named_buffers():
+            if name in kept:
+                b.copy_(kept[name])
+    cast(Any, hf_model).tie_weights()

@@ -1,0 +1,109 @@
+"""A run on a transformers MoE checkpoint (model.path a save_pretrained directory of one of the six
+families): the config it resolves, the model models/build.py builds on the meta device, and the weights
+build_parts reads into it, against transformers' own from_pretrained of the same directory (float64,
+transformers' eager experts: exact). Bad checkpoints and options are one line before any process group.
+"""
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hf_tiny import MOE_FAMILIES, corpus_lines, randomize, save_tokenizer, tiny_model  # noqa: E402
+
+from dynmoe_dist.config import load_config  # noqa: E402
+from dynmoe_dist.models.build import build_model  # noqa: E402
+from dynmoe_dist.tasks.base import ModelNeeds  # noqa: E402
+from dynmoe_dist.train.parts import build_parts  # noqa: E402
+
+FAMILIES = list(MOE_FAMILIES)
+
+
+def save_family(family, directory):
+    """A user's checkpoint: the tiny model with every weight random (routers, biases, DeepSeek's correction
+    bias), written by save_pretrained in float64, and a tokenizer whose vocabulary fits it."""
+    vocab = save_tokenizer(directory)
+    randomize(tiny_model(family, vocab)).double().save_pretrained(directory)
+    return directory, vocab
+
+
+def run_settings(directory, text_file, *extra):
+    return [
+        "task.name='causal-lm'",
+        f"task.path='{text_file}'",
+        "task.max_len=8",
+        "model.source='hf'",
+        f"model.path='{directory}'",
+        "train.precision='float64'",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def text_file_here(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "c.txt"
+    path.write_text("\n".join(corpus_lines()) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_run_reads_the_checkpoint_as_transformers_loads_it(family, tmp_path, text_file_here):
+    from transformers import AutoModelForCausalLM
+
+    directory, vocab = save_family(family, tmp_path / family)
+    config = load_config(None, run_settings(directory, text_file_here))
+    assert config.moe.router == "native"  # the model's own routing unless moe.router says otherwise
+    model = build_model(config.model, config.moe, ModelNeeds("causal-lm", vocab, max_len=8))
+    assert all(p.is_meta for p in model.parameters())  # nothing read before the experts are placed
+    parts = build_parts(config, model)
+    assert not any(p.is_meta for p in parts.model.parameters())
+    theirs = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float64, experts_implementation="eager")
+    ids = torch.randint(2, vocab, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = parts.model.eval()(ids).logits
+        want = theirs.eval()(input_ids=ids).logits
+    torch.testing.assert_close(ours, want, rtol=0, atol=1e-10)
+
+
+def test_the_config_takes_the_models_blocks_and_expert_count(tmp_path, text_file_here):
+    directory, _ = save_family("deepseek_v3", tmp_path / "ds")  # first layer dense, 6 experts
+    config = load_config(None, run_settings(directory, text_file_here))
+    assert config.model.moe_layers == [1, 2] and config.moe.num_experts == 6 and config.model.num_layers == 3
+    assert "moe.num_experts" not in config.explicit and "model.moe_layers" not in config.explicit
+    converted = load_config(None, run_settings(directory, text_file_here, "moe.router='top_any'"))
+    assert converted.moe.router == "top_any" and converted.moe.aux_losses == ("diverse", "simple")  # the preset
+
+
+def test_options_the_import_decides_are_refused_by_name(tmp_path, text_file_here):
+    directory, _ = save_family("qwen3_moe", tmp_path / "q")
+    with pytest.raises(ValueError, match=r"^moe.num_experts \(4\) cannot be set: model.path \('.*'\) is a qwen3_moe"):
+        load_config(None, run_settings(directory, text_file_here, "moe.num_experts=4"))
+    with pytest.raises(ValueError, match=r"^moe.calibrate_k \(7\) > the 6 experts: model.path"):
+        load_config(None, run_settings(directory, text_file_here, "moe.router='top_any'", "moe.calibrate_k=7"))
+    with pytest.raises(ValueError, match=r"^model.moe_layers \(\[0\]\) != the MoE blocks \[1, 2\]"):
+        load_config(None, run_settings(directory, text_file_here, "model.moe_layers=[0]"))
+
+
+def test_an_unsupported_moe_family_is_named_with_the_supported_ones(tmp_path, text_file_here):
+    directory, _ = save_family("qwen3_moe", tmp_path / "dbrx")
+    raw = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**raw, "model_type": "dbrx", "num_experts": 16}))
+    with pytest.raises(
+        ValueError, match=r"is a .dbrx. mixture of experts \(num_local_experts = 6\), which is not supported; supported MoE families: mixtral"
+    ):
+        load_config(None, run_settings(directory, text_file_here))
+
+
+def test_a_checkpoint_that_disagrees_with_its_config_fails_while_the_model_is_built(tmp_path, text_file_here):
+    from safetensors.torch import load_file, save_file
+
+    directory, vocab = save_family("olmoe", tmp_path / "o")
+    config = load_config(None, run_settings(directory, text_file_here))
+    state = load_file(str(directory / "model.safetensors"))
+    key = "model.layers.1.self_attn.q_proj.weight"
+    state[key] = state[key][:, :-1].contiguous()
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"model.safetensors: {key} has shape \(16, 15\), the model's is \(16, 16\)"):
+        build_model(config.model, config.moe, ModelNeeds("causal-lm", vocab))
