@@ -139,6 +139,28 @@ def randomize(model, seed=0, std=0.3):
     return model
 
 
+# The config field of each MoE family that holds its expert count.
+EXPERT_COUNT_KEY = {
+    "mixtral": "num_local_experts",
+    "qwen2_moe": "num_experts",
+    "qwen3_moe": "num_experts",
+    "olmoe": "num_experts",
+    "deepseek_v3": "n_routed_experts",
+    "gpt_oss": "num_local_experts",
+}
+
+
+def save_moe_checkpoint(family, directory, num_experts=None, **overrides):
+    """A user's MoE checkpoint: the tiny model with every weight random (routers, biases, DeepSeek's correction
+    bias), written by save_pretrained in float64, next to a word-level tokenizer whose vocabulary fits it;
+    returns (directory, vocabulary size)."""
+    vocab = save_tokenizer(directory)
+    if num_experts is not None:
+        overrides[EXPERT_COUNT_KEY[family]] = num_experts
+    randomize(tiny_model(family, vocab, **overrides)).double().save_pretrained(directory)
+    return directory, vocab
+
+
 def save_tiny(family, directory, vocab_size=64, **overrides):
     """Write the tiny model with save_pretrained (config.json + model.safetensors); returns the directory."""
     tiny_model(family, vocab_size, **overrides).save_pretrained(directory)

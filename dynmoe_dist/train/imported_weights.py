@@ -40,8 +40,12 @@ def _copy(p: Tensor, full: Tensor) -> None:
 
 
 def _read_into(p: Tensor, checkpoint: ImportedCheckpoint, name: str) -> None:
-    """A dense tensor from the files: only this rank's rows of a sharded one."""
-    if isinstance(p, DTensor):
+    """A dense tensor from the files: only this rank's rows of a sharded one (or its initial value, for a
+    tensor the checkpoint does not hold: a converted router's thresholds)."""
+    initial = checkpoint.initial(name)
+    if initial is not None:
+        p.fill_(initial)
+    elif isinstance(p, DTensor):
         start, stop = local_rows(p)
         p.to_local().copy_(checkpoint.rows(name, start, stop))
     else:

@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hf_tiny import MOE_FAMILIES, corpus_lines, randomize, save_tokenizer, tiny_model  # noqa: E402
+from hf_tiny import MOE_FAMILIES, corpus_lines, save_moe_checkpoint  # noqa: E402
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.models.build import build_model  # noqa: E402
@@ -19,14 +19,6 @@ from dynmoe_dist.tasks.base import ModelNeeds  # noqa: E402
 from dynmoe_dist.train.parts import build_parts  # noqa: E402
 
 FAMILIES = list(MOE_FAMILIES)
-
-
-def save_family(family, directory):
-    """A user's checkpoint: the tiny model with every weight random (routers, biases, DeepSeek's correction
-    bias), written by save_pretrained in float64, and a tokenizer whose vocabulary fits it."""
-    vocab = save_tokenizer(directory)
-    randomize(tiny_model(family, vocab)).double().save_pretrained(directory)
-    return directory, vocab
 
 
 def run_settings(directory, text_file, *extra):
@@ -52,7 +44,7 @@ def text_file_here(tmp_path_factory):
 def test_the_run_reads_the_checkpoint_as_transformers_loads_it(family, tmp_path, text_file_here):
     from transformers import AutoModelForCausalLM
 
-    directory, vocab = save_family(family, tmp_path / family)
+    directory, vocab = save_moe_checkpoint(family, tmp_path / family)
     config = load_config(None, run_settings(directory, text_file_here))
     assert config.moe.router == "native"  # the model's own routing unless moe.router says otherwise
     model = build_model(config.model, config.moe, ModelNeeds("causal-lm", vocab, max_len=8))
@@ -68,7 +60,7 @@ def test_the_run_reads_the_checkpoint_as_transformers_loads_it(family, tmp_path,
 
 
 def test_the_config_takes_the_models_blocks_and_expert_count(tmp_path, text_file_here):
-    directory, _ = save_family("deepseek_v3", tmp_path / "ds")  # first layer dense, 6 experts
+    directory, _ = save_moe_checkpoint("deepseek_v3", tmp_path / "ds")  # first layer dense, 6 experts
     config = load_config(None, run_settings(directory, text_file_here))
     assert config.model.moe_layers == [1, 2] and config.moe.num_experts == 6 and config.model.num_layers == 3
     assert "moe.num_experts" not in config.explicit and "model.moe_layers" not in config.explicit
@@ -77,7 +69,7 @@ def test_the_config_takes_the_models_blocks_and_expert_count(tmp_path, text_file
 
 
 def test_options_the_import_decides_are_refused_by_name(tmp_path, text_file_here):
-    directory, _ = save_family("qwen3_moe", tmp_path / "q")
+    directory, _ = save_moe_checkpoint("qwen3_moe", tmp_path / "q")
     with pytest.raises(ValueError, match=r"^moe.num_experts \(4\) cannot be set: model.path \('.*'\) is a qwen3_moe"):
         load_config(None, run_settings(directory, text_file_here, "moe.num_experts=4"))
     with pytest.raises(ValueError, match=r"^moe.calibrate_k \(7\) > the 6 experts: model.path"):
@@ -87,7 +79,7 @@ def test_options_the_import_decides_are_refused_by_name(tmp_path, text_file_here
 
 
 def test_an_unsupported_moe_family_is_named_with_the_supported_ones(tmp_path, text_file_here):
-    directory, _ = save_family("qwen3_moe", tmp_path / "dbrx")
+    directory, _ = save_moe_checkpoint("qwen3_moe", tmp_path / "dbrx")
     raw = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**raw, "model_type": "dbrx", "num_experts": 16}))
     with pytest.raises(
@@ -99,7 +91,7 @@ def test_an_unsupported_moe_family_is_named_with_the_supported_ones(tmp_path, te
 def test_a_checkpoint_that_disagrees_with_its_config_fails_while_the_model_is_built(tmp_path, text_file_here):
     from safetensors.torch import load_file, save_file
 
-    directory, vocab = save_family("olmoe", tmp_path / "o")
+    directory, vocab = save_moe_checkpoint("olmoe", tmp_path / "o")
     config = load_config(None, run_settings(directory, text_file_here))
     state = load_file(str(directory / "model.safetensors"))
     key = "model.layers.1.self_attn.q_proj.weight"

@@ -16,14 +16,14 @@ stock_layout.read_expert).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Tuple, cast
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
 from ...moe.config import MoEConfig
-from ...moe.layer import dense_state_tensors
+from ...moe.layer import TopAnyRouter, dense_state_tensors
 from .moe_families import MoEFamily, family_of, sparse_block_prefixes
 from .moe_import import import_moe
 from .safetensors_reader import CheckpointReader
@@ -57,6 +57,13 @@ class ImportedCheckpoint:
             for prefix in self.prefixes
             for name, key in self.family.checkpoint_router_keys(prefix).items()
         }
+        # A router converted to top-any has thresholds the checkpoint never had: they start at
+        # moe.threshold_init (and a calibration may set them), they are not read.
+        self.new_tensors: Dict[str, float] = {
+            f"{prefix}.moe.router.threshold": float(router.config.threshold_init)
+            for prefix in self.prefixes
+            if isinstance(router := hf_model.get_submodule(f"{prefix}.moe.router"), TopAnyRouter)
+        }
 
     def key(self, name: str) -> str:
         """The checkpoint's key of the model's parameter or buffer ``name``."""
@@ -68,6 +75,10 @@ class ImportedCheckpoint:
     def tensor(self, name: str) -> Tensor:
         return self.reader.tensor(self.key(name))
 
+    def initial(self, name: str) -> Optional[float]:
+        """The value a tensor the checkpoint does not hold starts with (None: it is read)."""
+        return self.new_tensors.get(name)
+
     def expert(self, layer: int, expert: int) -> Dict[str, Tensor]:
         """Logical expert ``expert`` of MoE layer ``layer`` (the i-th sparse block): parameter name -> tensor."""
         return read_expert(self.reader, self.family, self.prefixes[layer], expert)
@@ -78,6 +89,8 @@ class ImportedCheckpoint:
         for prefix in self.prefixes:
             check_block_shapes(self.reader, self.family, prefix)
         for name, want in dense_tensors(hf_model):
+            if name in self.new_tensors:
+                continue
             key = self.key(name)
             have = self.reader.shape(key)  # ValueError naming the directory for a missing key
             if tuple(have) != tuple(want):
