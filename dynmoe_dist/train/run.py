@@ -12,6 +12,7 @@ from ..config import RunConfig
 from ..coordination import CollectiveCoordinator
 from ..parallel.groups import barrier
 from .adaptive import AdaptiveController
+from .calibrate import calibrate_converted
 from .loop import Trainer
 from .startup import resolve_optional_features
 from .telemetry import Telemetry
@@ -80,8 +81,11 @@ def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factor
     enabled = config.adaptive.enabled
     adaptive = adaptive_controller(trainer, make_coordinator(trainer, coordinator_factory)) if enabled else None
     checkpoints = trainer.checkpoint_manager(adaptive)
-    if checkpoints.resume(config.output.resume) is None and trainer.is_rank0:
+    resumed = checkpoints.resume(config.output.resume)
+    if resumed is None and trainer.is_rank0:
         archive_previous_run(Path(config.output.out_dir))
+    # An imported MoE converted to top-any: thresholds calibrated once, at the fresh start.
+    calibration = calibrate_converted(trainer) if resumed is None else None
     total = trainer.schedule.total_steps
     out = config.output
     with Telemetry(
@@ -92,6 +96,8 @@ def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factor
         tensorboard=out.tensorboard,
         initial_step=trainer.step,
     ) as telemetry:
+        if calibration is not None:
+            telemetry.log(calibration)
         while trainer.step < total:
             record, events = step_once(trainer, adaptive)
             if (trainer.step - 1) % config.train.log_every == 0 or trainer.step == total:

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
-RECORD_KINDS = ("step", "eval", "event", "final")
+RECORD_KINDS = ("step", "eval", "event", "final", "calibration")
 PER_LAYER_LISTS = ("num_experts", "mean_k", "num_replicas", "expert_load", "rank_load")
 
 

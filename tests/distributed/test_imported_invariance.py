@@ -2,7 +2,8 @@
 world: ep 1 / 2 / 3, with 8 experts, which 3 does not divide, and an uneven global batch of 7) give the
 one-process run's losses in float64 (1e-9), their own routing and adaptive re-placement included; the
 3-rank run with FSDP-sharded dense weights reads only each rank's rows of every dense tensor and still
-agrees, and a model converted to top-any adds and removes experts identically on every world size.
+agrees, and a model converted to top-any calibrates the same thresholds from every rank's tokens and adds
+and removes experts identically on every world size.
 
 Each world's group is spawned once for the module: one run_simulated call trains every case."""
 
@@ -48,19 +49,29 @@ def settings(root, family, world, *extra):
 # (case name, family, extra settings)
 CASES = [(family, family, ()) for family in ALL] + [
     ("qwen2_moe fsdp", "qwen2_moe", ("parallel.dense_sharding='fsdp'",)),
-    # converted to top-any with a sparse start: experts no token picks are removed, tokens that pick
-    # none get an expert added
-    ("olmoe top-any", "olmoe", ("moe.router='top_any'", "moe.threshold_init=0.4", "moe.min_experts=3")),
+    # converted to top-any, thresholds calibrated to k = 1 on 16 sequences: experts no token picks in a
+    # window are removed, tokens that pick none get an expert added
+    ("olmoe top-any", "olmoe", ("moe.router='top_any'", "moe.calibrate_k=1", "moe.calibrate_samples=16")),
 ]
 DEFAULT = ("qwen2_moe", "deepseek_v3", "qwen2_moe fsdp", "olmoe top-any")
 
 
 def train_case(root, world, family, extra):
+    from dynmoe_dist.train.calibrate import calibrate_converted
     from dynmoe_dist.train.loop import Trainer
 
     trainer = Trainer(load_config(None, settings(root, family, world, *extra)))
+    calibration = calibrate_converted(trainer)  # a top-any conversion: thresholds from every rank's tokens
+    thresholds = [layer.router.threshold.tolist() for layer in trainer.moe_layers] if calibration else None
     _, losses, counts, events = train_recorded(trainer, STEPS)
-    return {"losses": losses, "counts": counts, "events": events, "test_loss": trainer.evaluate()["test_loss"]}
+    return {
+        "losses": losses,
+        "counts": counts,
+        "events": events,
+        "test_loss": trainer.evaluate()["test_loss"],
+        "thresholds": thresholds,
+        "calibration": calibration,
+    }
 
 
 def worker(root, world, names):
@@ -91,6 +102,12 @@ def compare(reference, results):
             for step, (a, b) in enumerate(zip(case["losses"], want["losses"])):
                 assert abs(a - b) <= tol * abs(b), f"{name} rank {rank} step {step}: {a} != {b}"
             assert case["counts"] == want["counts"] and case["events"] == want["events"], name
+            if want["thresholds"] is not None:  # calibrated on every rank's tokens: the same on any world size
+                for got_E, want_E in zip(case["thresholds"], want["thresholds"]):
+                    assert max(abs(a - b) for a, b in zip(got_E, want_E)) <= 1e-12, name
+                assert [layer["mean_k"] for layer in case["calibration"]["layers"]] == [
+                    layer["mean_k"] for layer in want["calibration"]["layers"]
+                ], name
             assert abs(case["test_loss"] - want["test_loss"]) <= tol * want["test_loss"], name
 
 

@@ -15,6 +15,7 @@ stock_layout.read_expert).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, cast
 
@@ -24,10 +25,11 @@ from torch import Tensor
 
 from ...moe.config import MoEConfig
 from ...moe.layer import TopAnyRouter, dense_state_tensors
+from ...moe.routing import NativeRule
 from .moe_families import MoEFamily, family_of, sparse_block_prefixes
 from .moe_import import import_moe
 from .safetensors_reader import CheckpointReader
-from .stock_layout import check_block_shapes, read_expert
+from .stock_layout import check_block_shapes, read_expert, read_router
 
 
 def build_on_meta(directory: Path, moe: MoEConfig) -> nn.Module:
@@ -123,3 +125,28 @@ def allocate(model: nn.Module, hf_model: nn.Module, device: torch.device) -> Non
             if name in kept:
                 b.copy_(kept[name])
     cast(Any, hf_model).tie_weights()
+
+
+@dataclass(frozen=True)
+class NativeRouting:
+    """One sparse block's routing as the checkpoint has it: the family's rule and the router's tensors (the
+    weight, gpt-oss's bias, DeepSeek-V3's correction bias). A router converted to top-any keeps only the
+    weight's rows; calibrating its thresholds needs the rest."""
+
+    rule: NativeRule
+    weight: Tensor
+    bias: Optional[Tensor]
+    correction: Optional[Tensor]
+
+
+def native_routings(directory: Path, hf_model: nn.Module) -> List[NativeRouting]:
+    """The checkpoint's routing of every sparse block, in order (router tensors read whole: they are small)."""
+    checkpoint = ImportedCheckpoint(directory, hf_model)
+    rule = checkpoint.family.rule()
+    routings = []
+    for prefix in checkpoint.prefixes:
+        tensors = read_router(checkpoint.reader, checkpoint.family, prefix)
+        routings.append(
+            NativeRouting(rule, tensors["weight"], tensors.get("bias"), tensors.get("e_score_correction_bias"))
+        )
+    return routings
