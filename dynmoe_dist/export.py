@@ -7,7 +7,10 @@ builder the trainer used (models/build.py, from the checkpoint's [model] and [mo
 the checkpoint's expert count and experts, fills every dense parameter by its name (the dense state is a
 torch.distributed.checkpoint directory read into full tensors on this one process, no process group),
 and writes the transformers model inside with models/hf/pretrained.py (format 2: plain transformers loads
-it with ``trust_remote_code=True``; docs/hf.md); ``dynmoe_dist.hf.from_pretrained`` reads it back.
+it with ``trust_remote_code=True``; docs/hf.md); ``dynmoe_dist.hf.from_pretrained`` reads it back. An
+imported transformers MoE trained with its own routing (moe.router = 'native') is written back in its
+stock format instead (models/hf/stock_layout.py): same model_type, the fused layout of the files, the
+expert count of what remains; plain transformers loads it without trust_remote_code.
 Only runs with model.source = 'hf' export (the built-in models are not transformers models).
 """
 
@@ -23,7 +26,9 @@ import torch.nn as nn
 
 from .data.tokenizers import load_tokenizer
 from .models.build import build_model
+from .models.hf.imported import allocate, is_on_meta
 from .models.hf.pretrained import base_model_type, dynmoe_section, save_exported
+from .models.hf.stock_layout import save_stock
 from .models.hf.wrappers import HFCausalLM
 from .moe.experts import expert_key
 from .moe.layer import dense_state_tensors, find_moe_layers, rebuild_experts
@@ -83,12 +88,20 @@ def export(checkpoint, out) -> Path:
     model = build_model(run.model, run.moe, needs)
     assert isinstance(model, HFCausalLM), "model.source = 'hf' builds a causal LM wrapper"
     hf_model = model.transformers_model()
-    base_model_type(hf_model)  # a base without remote-code classes fails before any weight is read
+    stock = run.moe.router == "native"  # an imported MoE trained with its own routing goes back as it came
+    if not stock:
+        base_model_type(hf_model)  # a base without remote-code classes fails before any weight is read
     dense, experts = read_checkpoint_dense(checkpoint), read_checkpoint_experts(checkpoint)
+    if is_on_meta(model):  # an imported MoE: nothing of its own checkpoint is needed, the training one says all
+        allocate(model, hf_model, torch.device("cpu"))
     # The checkpoint's dtype (float64 runs export float64; bf16 runs keep fp32 masters).
     model.to(next(iter(dense.values())).dtype)
     fill_experts(model, experts, meta, checkpoint)
     fill_dense(model, dense, checkpoint)
+    if stock:
+        save_stock(hf_model.eval(), out)
+        tokenizer.save_pretrained(str(out))
+        return out
     blocks = sorted(run.model.moe_layers)
     section = dynmoe_section(hf_model, run.moe, blocks, step=int(meta["step"]), base_model=run.model.path)
     return save_exported(hf_model.eval(), section, out, tokenizer)

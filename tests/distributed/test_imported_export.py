@@ -1,0 +1,74 @@
+"""An imported MoE trained with its own routing on 2 ranks (experts split between them, re-placed at the
+events) goes back out in its stock format: `python -m dynmoe_dist.export` writes what save_pretrained
+writes, plain transformers loads it WITHOUT trust_remote_code, and its logits are the trained model's
+(the one-process run of the same config, float64: 1e-6)."""
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from hf_tiny import corpus_lines, save_moe_checkpoint  # noqa: E402
+
+from dynmoe_dist.config import load_config  # noqa: E402
+from dynmoe_dist.parallel.simulate import run_simulated  # noqa: E402
+
+
+def settings(root, out_dir, world):
+    return [
+        "task.name='causal-lm'",
+        f"task.path='{root}/corpus.txt'",
+        "task.max_len=8",
+        "model.source='hf'",
+        f"model.path='{root}/model'",
+        "train.precision='float64'",
+        "train.max_steps=6",
+        "train.global_batch_size=6",
+        "train.lr=0.01",
+        "train.warmup_steps=1",
+        "adaptive.period_steps=3",
+        f"parallel.ep_size={world}",
+        f"output.out_dir='{out_dir}'",
+        "output.progress=false",
+        "output.tensorboard=false",
+        "output.report=false",
+    ]
+
+
+def train(root, out_dir, world):
+    from dynmoe_dist.train.run import run
+
+    run(load_config(None, settings(root, out_dir, world)))
+
+
+def test_the_stock_export_of_a_two_rank_run_is_the_trained_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from dynmoe_dist.export import export
+    from dynmoe_dist.train.checkpoint import complete_checkpoints
+    from dynmoe_dist.train.loop import Trainer
+    from dynmoe_dist.train.run import run
+
+    _, vocab = save_moe_checkpoint("qwen3_moe", tmp_path / "model", num_experts=8)
+    (tmp_path / "corpus.txt").write_text("\n".join(corpus_lines(60, 3)) + "\n")
+    config = load_config(None, settings(tmp_path, tmp_path / "one", 1))
+    reference = Trainer(config)
+    run(config, trainer=reference)
+    run_simulated(train, 2, args=(tmp_path, tmp_path / "two", 2), timeout_s=600)
+
+    out = export(complete_checkpoints(str(tmp_path / "two"))[-1], tmp_path / "stock")
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["model_type"] == "qwen3_moe" and "auto_map" not in saved  # the stock class, no remote code
+    theirs = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float64, experts_implementation="eager")
+    assert type(theirs).__name__ == "Qwen3MoeForCausalLM" and theirs.config.num_experts == 8
+    ids = torch.randint(2, vocab, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = reference.model.eval()(ids).logits
+        got = theirs.eval()(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert (got - theirs.eval()(input_ids=ids).logits).abs().max() == 0  # deterministic
+    before = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "model"), dtype=torch.float64, experts_implementation="eager"
+    )
+    assert (before.eval()(input_ids=ids).logits - got).abs().max() > 1e-3  # it did train
