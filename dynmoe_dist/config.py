@@ -240,6 +240,11 @@ class AdaptiveConfig:
     min_unrouted_share: float = 0.0
     """Add an expert only if the share of the window's tokens that selected no expert exceeds this
     (0 = any such token triggers an add, the reference)."""
+    min_rebalance_gain: float = 0.02
+    """Move experts between ranks (re-place or replicate them) only when that lowers the planned rank
+    imbalance (max / mean rank load) by at least this fraction of what it would be with nothing moved
+    (0.02 = 2 %; 0 = any gain). Otherwise the layer keeps its placement; adds and removes still happen.
+    Every move sends the expert's weights and Adam state over an all-to-all."""
 
     def __post_init__(self):
         _require(
@@ -258,6 +263,10 @@ class AdaptiveConfig:
         _require(
             0.0 <= self.min_unrouted_share < 1.0,
             f"adaptive.min_unrouted_share ({self.min_unrouted_share}) must be in [0, 1)",
+        )
+        _require(
+            0.0 <= self.min_rebalance_gain < 1.0,
+            f"adaptive.min_rebalance_gain ({self.min_rebalance_gain}) must be in [0, 1)",
         )
 
 
