@@ -10,6 +10,7 @@ from typing import Callable, Dict, Optional
 
 from ..config import RunConfig
 from ..coordination import CollectiveCoordinator
+from ..moe.layer import block_labels
 from ..parallel.groups import barrier
 from .adaptive import AdaptiveController
 from .loop import Trainer
@@ -84,8 +85,10 @@ def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factor
         tensorboard=out.tensorboard,
         initial_step=trainer.step,
     ) as telemetry:
+        blocks = block_labels([shard.name for shard in trainer.shards])  # labels for the report and TensorBoard
         while trainer.step < total:
             record, events = step_once(trainer, adaptive)
+            record["blocks"] = blocks
             if (trainer.step - 1) % config.train.log_every == 0 or trainer.step == total:
                 telemetry.log(record)
             for event in events:

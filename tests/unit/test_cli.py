@@ -40,6 +40,8 @@ def test_tiny_run_writes_metrics_and_prints_summary(tmp_path, capsys):
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
     for key in ("loss", "num_experts", "mean_k", "tokens_per_s"):
         assert key in steps[0]
+    assert steps[0]["blocks"] == [1]  # model.moe_layers' default: the MoE layer sits in block 1
+    assert all(r["block"] == 1 for r in records if r["kind"] == "event")
     assert records[-1]["kind"] == "final"
 
 
