@@ -38,6 +38,12 @@ def task_spec(name: str) -> TaskSpec:
     raise ValueError(f"task.name ({name!r}) must be one of {sorted(TASK_SPECS)}{missing}")
 
 
+def all_task_specs() -> Dict[str, TaskSpec]:
+    """Every task that could load (the optional ones need the 'data' extra), by name: what --help lists."""
+    _load_optional()
+    return dict(sorted(TASK_SPECS.items()))
+
+
 def build_task(task_config) -> Task:
     return task_spec(task_config.name).build(task_config)
 
@@ -56,6 +62,7 @@ __all__ = [
     "Batch",
     "Task",
     "TaskSpec",
+    "all_task_specs",
     "build_task",
     "register",
     "split_indices",

@@ -101,20 +101,31 @@ class TaskSpec:
     """The TASK_OPTIONS this task reads; None = not declared (no warnings about unread options)."""
     validate: Optional[Callable[..., None]] = None
     """validate(run_config): raise ValueError for settings the task cannot run, without loading data."""
+    summary: str = ""
+    """One line for `dynmoe-train --help` (task.name): what the task trains on, with which model."""
+    path_forms: str = ""
+    """What task.path names for this task, for --help (empty when the task reads no task.path)."""
 
 
 TASKS: Dict[str, Callable[..., Task]] = {}
 TASK_SPECS: Dict[str, TaskSpec] = {}
 
 
-def register(name: str, reads: Optional[Iterable[str]] = None, validate: Optional[Callable[..., None]] = None):
-    """Decorator of a task factory; `reads` and `validate` as in TaskSpec."""
+def register(
+    name: str,
+    reads: Optional[Iterable[str]] = None,
+    validate: Optional[Callable[..., None]] = None,
+    summary: str = "",
+    path_forms: str = "",
+):
+    """Decorator of a task factory; `reads`, `validate`, `summary` and `path_forms` as in TaskSpec."""
     unknown = set(reads or ()) - TASK_OPTIONS
     assert not unknown, f"task {name!r} declares options outside TASK_OPTIONS: {sorted(unknown)}"
 
     def wrap(factory):
         TASKS[name] = factory
-        TASK_SPECS[name] = TaskSpec(factory, None if reads is None else frozenset(reads), validate)
+        frozen = None if reads is None else frozenset(reads)
+        TASK_SPECS[name] = TaskSpec(factory, frozen, validate, summary, path_forms)
         return factory
 
     return wrap

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ..data import CorpusSpec, TokenWindows, open_corpus
 from ..data.sources import BUILTIN_CORPORA, describe_inputs, register_builtin
+from ..paths import missing
 from .base import Batch, Task, register, split_indices
 from .common import freeze_parameters, subset_indices
 
@@ -179,16 +180,18 @@ def validate(run_config) -> None:
         t.tokenizer = m.path
     for option, value in (("model.path", m.path), ("task.tokenizer", t.tokenizer)):
         if not value.startswith("package:") and not Path(value).expanduser().exists():
-            raise ValueError(f"{option} ({value!r}) does not exist")
+            raise missing(option, value)
     if not t.path:
         raise ValueError(f"task.path ('') must name {describe_inputs()} for task 'causal-lm'")
     for option, value in (("task.path", t.path), ("task.test_path", t.test_path)):
         if value and value not in BUILTIN_CORPORA and not Path(value).expanduser().exists():
-            raise ValueError(f"{option} ({value!r}) does not exist")
+            raise missing(option, value)
 
 
 @register(
     "causal-lm",
+    summary="next-token language modelling of your own text with a transformers model (model.source = 'hf')",
+    path_forms=f"{describe_inputs()}; .jsonl / .parquet / .arrow read the text from task.text_field",
     validate=validate,
     reads=(
         "task.path",

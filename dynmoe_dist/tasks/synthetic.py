@@ -45,6 +45,7 @@ class SyntheticTask(Task):
     "synthetic",
     validate=check_built_model,
     reads=("task.test_fraction", "task.max_len", "model.dim", "model.num_heads", "model.ffn_dim"),
+    summary="seeded random token sequences and a small built-in encoder: tests and demos, nothing to download",
 )
 def build(task_config) -> SyntheticTask:
     total = task_config.num_samples or SAMPLES

@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from ..data.sources import json_object
+from ..paths import missing
 from . import assets
 from .base import Task, register
 from .common import class_ids, freeze_parameters, split_pool, subset_indices
@@ -120,7 +121,12 @@ def build_sentiment(task_config) -> TextTask:
 MINILM_READS = ("task.test_fraction", "task.max_len", "model.freeze")
 
 
-@register("minilm-sentiment", reads=MINILM_READS, validate=validate_minilm)
+@register(
+    "minilm-sentiment",
+    reads=MINILM_READS,
+    validate=validate_minilm,
+    summary="pre-trained all-MiniLM-L6-v2 (a BERT) finetuned on Rotten Tomatoes snippets, fresh vs rotten",
+)
 def _sentiment(task_config) -> TextTask:
     task = build_sentiment(task_config)
     task.name = "minilm-sentiment"
@@ -185,7 +191,7 @@ def validate_jsonl(run_config) -> None:
     require_path(task)
     for option, value in (("task.path", task.path), ("task.test_path", task.test_path)):
         if value and not Path(value).is_file():
-            raise ValueError(f"{option} ({value!r}) is not a file")
+            raise missing(option, value, "is not a file")
     validate_minilm(run_config)
 
 
@@ -206,7 +212,13 @@ def build_jsonl(task_config) -> TextTask:
     return TextTask({"train": pool, "test": test}, names)
 
 
-@register("jsonl", reads=("task.path", "task.test_path", *MINILM_READS), validate=validate_jsonl)
+@register(
+    "jsonl",
+    reads=("task.path", "task.test_path", *MINILM_READS),
+    validate=validate_jsonl,
+    summary="your own text classification data, on the pre-trained MiniLM",
+    path_forms='a JSON lines file, one {"text": ..., "label": ...} object per line (labels: strings or integers)',
+)
 def _jsonl(task_config) -> TextTask:
     task = build_jsonl(task_config)
     task.name = "jsonl"

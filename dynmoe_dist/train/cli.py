@@ -14,6 +14,7 @@ import warnings
 from typing import Callable, List, Optional
 
 from ..config import RunConfig, load_config, options_help
+from .help import option_choices, paths_note
 from .startup import ConfigWarning, prepare_run
 
 USAGE_ERROR = 2  # the exit status argparse uses for a bad command line
@@ -26,7 +27,7 @@ def parser() -> argparse.ArgumentParser:
         description="Train a DynMoE model (single process, torchrun, or Ray workers).",
         epilog="Every option below can be set in the TOML file (as [section] key = value) or with\n"
         "--set section.key=value. A mistake is one line 'error: ...' and exit status 2\n"
-        "(DYNMOE_TRACEBACK=1 shows the traceback).\n\n" + options_help(),
+        "(DYNMOE_TRACEBACK=1 shows the traceback).\n" + paths_note() + "\n\n" + options_help(option_choices()),
     )
     p.add_argument("--config", help="TOML run file (e.g. launcher/configs/demo.toml)")
     p.add_argument(

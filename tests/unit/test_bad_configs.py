@@ -164,6 +164,28 @@ def test_bad_config_is_one_line_and_exit_status_2(args, world_size, fragments, b
     _check_error_line(captured.err, fragments)
 
 
+@pytest.mark.parametrize(
+    "args, option, written",
+    [
+        (["--config", "my_run.toml"], "config file", "my_run.toml"),
+        (_set("task.name='causal-lm'", "model.source='hf'", "model.path='tiny_qwen2'"), "model.path", "tiny_qwen2"),
+        (_set("task.name='jsonl'", "task.path='data/train.jsonl'"), "task.path", "data/train.jsonl"),
+        (_set("output.resume='runs/x/checkpoints/step_10'"), "output.resume", "runs/x/checkpoints/step_10"),
+    ],
+    ids=["config", "model-path", "jsonl-path", "resume"],
+)
+def test_relative_paths_are_shown_as_resolved(args, option, written, tmp_path, monkeypatch, capsys):
+    """Relative paths are read from the directory the command runs in; the error shows where it looked."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(args + ["--print-config"]) == 2
+    resolved = tmp_path.resolve() / written
+    _check_error_line(
+        capsys.readouterr().err,
+        [f"{option} ('{written}' = {resolved})", "relative paths are read from the directory the command runs in"],
+    )
+
+
 def test_the_table_is_big_enough():
     assert len(CASES) >= 25 and len({c[0] for c in CASES}) == len(CASES)
 

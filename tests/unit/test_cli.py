@@ -1,6 +1,7 @@
 """`dynmoe-train` command line: help lists every option, --print-config, clear errors, a tiny run."""
 
 import json
+import re
 
 import pytest
 from cli_runs import tiny_cli_args
@@ -18,6 +19,45 @@ def test_help_lists_every_option():
     for name, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
             assert f"{name}.{f.name} = " in text, f"{name}.{f.name} missing from --help"
+
+
+def _help_block(text, option):
+    """The lines of --help from `option = ...` up to the next option."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"  {option} = "))
+    end = next((i for i in range(start + 1, len(lines)) if re.match(r"  \S+ = |\[", lines[i])), len(lines))
+    return "\n".join(lines[start:end])
+
+
+def test_help_lists_every_registered_task_model_source_and_path_form(monkeypatch):
+    import dynmoe_dist.tasks as tasks
+    import dynmoe_dist.tasks.base as tasks_base
+    from dynmoe_dist.config import MODEL_PATH_FORMS, MODEL_SOURCES
+    from dynmoe_dist.data.sources import BUILTIN_CORPORA, SUFFIXES
+
+    specs = tasks.all_task_specs()
+    assert {"synthetic", "minilm-sentiment", "vit-mnist", "jsonl", "causal-lm"} <= set(specs)
+    # A task registered later is listed too; copies of the registries keep it out of the other tests.
+    copies = {"TASK_SPECS": dict(tasks_base.TASK_SPECS), "TASKS": dict(tasks_base.TASKS)}
+    for name, copy in copies.items():
+        monkeypatch.setattr(tasks_base, name, copy)
+        monkeypatch.setattr(tasks, name, copy)
+    tasks.register("added-later", summary="a task registered after the help was written", path_forms="TEXT")(None)
+    text = parser().format_help()
+    names = _help_block(text, "task.name")
+    for name, spec in tasks.all_task_specs().items():
+        assert spec.summary, f"task {name!r} has no summary for --help"
+        assert f"{name}: {spec.summary}" in names, f"task {name!r} missing from --help"
+        if "task.path" in (spec.reads or ()) or spec.path_forms:
+            assert f"{name}: {spec.path_forms}" in _help_block(text, "task.path"), name
+    assert "added-later: a task registered after" in names
+    paths = _help_block(text, "task.path")
+    assert all(suffix in paths for suffix in SUFFIXES) and all(name in paths for name in BUILTIN_CORPORA)
+    assert all(f"{source}: " in _help_block(text, "model.source") for source in MODEL_SOURCES)
+    assert all(f"{form}: " in _help_block(text, "model.path") for form in MODEL_PATH_FORMS)
+    assert {"DIR", "FILE.gguf", "package:NAME"} <= set(MODEL_PATH_FORMS)
+    assert "relative paths are read from the directory the command runs in" in text
+    assert "default runs/latest" in text and "python -m dynmoe_dist.export" in text
 
 
 def test_print_config(capsys):
