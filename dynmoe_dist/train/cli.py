@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Callable, List, Optional
 
 from ..config import RunConfig, load_config, options_help
@@ -18,6 +19,7 @@ from .help import option_choices, paths_note
 from .startup import ConfigWarning, prepare_run
 
 USAGE_ERROR = 2  # the exit status argparse uses for a bad command line
+ERROR_DIR_ENV = "DYNMOE_ERROR_DIR"  # set by train/launch.py for the ranks it starts
 
 
 def parser() -> argparse.ArgumentParser:
@@ -74,14 +76,25 @@ def one_line(err: object) -> str:
     return " ".join(str(err).split())
 
 
+def report_error(err: object) -> None:
+    """The one error line: on stderr, or, under the launcher (train/launch.py), into this rank's file in
+    the directory it names, from which it prints one line for the whole job."""
+    line = f"dynmoe-train: error: {one_line(err)}"
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    if error_dir:
+        Path(error_dir, f"rank{os.environ.get('RANK', '0')}").write_text(line + "\n")
+    else:
+        print(line, file=sys.stderr, flush=True)
+
+
 def guarded(action: Callable[[], int]) -> int:
-    """action(), with a ValueError (a user mistake) turned into one stderr line and exit status 2."""
+    """action(), with a ValueError (a user mistake) turned into one error line and exit status 2."""
     try:
         return action()
     except ValueError as err:
         if os.environ.get("DYNMOE_TRACEBACK"):
             raise
-        print(f"dynmoe-train: error: {one_line(err)}", file=sys.stderr, flush=True)
+        report_error(err)
         return USAGE_ERROR
 
 

@@ -219,7 +219,8 @@ def test_real_command_exits_2_with_one_line(args, fragments, bad_files):
 
 
 def test_torchrun_launcher_fails_before_any_process_group(tmp_path):
-    """Under torchrun every rank sees WORLD_SIZE=2 and refuses ep_size 3 while loading the config."""
+    """launcher/torchrun.sh checks the config once, as rank 0 of a 2-rank world, before starting a rank:
+    one line, exit status 2 (tests/distributed/test_bad_input.py runs the mistakes a rank finds itself)."""
     env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(
         ["sh", "launcher/torchrun.sh", "2", "--set", "parallel.ep_size=3"],
@@ -229,9 +230,35 @@ def test_torchrun_launcher_fails_before_any_process_group(tmp_path):
         text=True,
         timeout=60,
     )
-    assert proc.returncode != 0
-    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("dynmoe-train: error:")]
-    assert errors and all("parallel.ep_size (3) does not divide the world size (2" in e for e in errors), errors
+    assert proc.returncode == 2
+    assert (proc.stdout + proc.stderr).strip() == (
+        "dynmoe-train: error: parallel.ep_size (3) does not divide the world size (2)"
+    )
+
+
+def test_launcher_checks_in_process(capsys, monkeypatch):
+    from dynmoe_dist.train import launch
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert launch.main(["two", "--set", "train.lr=0.1"]) == 2
+    _check_error_line(capsys.readouterr().err, ["NPROC ('two') must be a positive number of local ranks"])
+    assert launch.main(["4", "--set", "moe.num_experts=2"]) == 2
+    _check_error_line(capsys.readouterr().err, ["moe.num_experts (2) < ep_size (4)"])
+    assert launch.main(["2", "--set", "parallel.ep_size=2", "--print-config"]) == 0  # nothing started
+    assert "ep_size = 2" in capsys.readouterr().out and "WORLD_SIZE" not in os.environ
+
+
+def test_launcher_outcome_prints_one_line(capsys):
+    from dynmoe_dist.train.launch import outcome
+
+    errors = {1: "dynmoe-train: error: from rank 1", 0: "dynmoe-train: error: from rank 0"}
+    assert outcome({1: 2, 0: 2}, errors) == 2
+    assert capsys.readouterr().err == "dynmoe-train: error: from rank 0\n"  # rank 0's line when it has one
+    assert outcome({1: 2, 0: -15}, {1: "dynmoe-train: error: from rank 1"}) == 2
+    assert capsys.readouterr().err == "dynmoe-train: error: from rank 1\n"
+    assert outcome({1: 17, 0: -15}, {}) == 1  # a crash: torchrun's status, the first rank to fail named
+    assert capsys.readouterr().err == "dynmoe-train: rank 1 failed (exit status 17); its output is above\n"
+    assert outcome({}, {}) == 0 and capsys.readouterr().err == ""
 
 
 def test_errors_from_inside_the_run_are_one_line_too(monkeypatch, capsys):
