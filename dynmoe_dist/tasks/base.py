@@ -35,6 +35,8 @@ class Task:
     """A classification task held in memory as tensors, split into 'train' and 'test'."""
 
     name = "task"
+    scores_perplexity = False
+    """A language model: its test score is the held-out perplexity, exp(test_loss per token)."""
 
     def __init__(self, splits: Dict[str, Dict[str, Tensor]], num_classes: int):
         self.splits = splits

@@ -38,6 +38,7 @@ class CausalLMTask(Task):
     """Train and held-out windows read from the token cache; ``splits`` stays empty (nothing in memory)."""
 
     name = "causal-lm"
+    scores_perplexity = True
 
     def __init__(self, windows: Dict[str, TokenWindows], vocab_size: int, seq_len: int, tokenizer_path: str):
         super().__init__({}, vocab_size)

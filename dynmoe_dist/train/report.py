@@ -377,7 +377,9 @@ def _suptitle(series: ReportSeries, metrics_path: Path) -> str:
         f"(last step {series.steps_S[-1]}), {_plural(len(series.layers), 'MoE layer')}"
     ]
     final = series.final or {}
-    if isinstance(final.get("test_accuracy"), (int, float)):
+    if isinstance(final.get("test_perplexity"), (int, float)):
+        parts.append(f"final held-out perplexity {final['test_perplexity']:.2f}")
+    elif isinstance(final.get("test_accuracy"), (int, float)):
         parts.append(f"final test accuracy {final['test_accuracy']:.4f}")
     if isinstance(final.get("wall_s"), (int, float)):
         parts.append(f"wall {final['wall_s']:.0f} s")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import time
 from pathlib import Path
@@ -94,7 +95,7 @@ def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factor
             for event in events:
                 telemetry.log(event)
             if config.train.eval_every and trainer.step % config.train.eval_every == 0 and trainer.step < total:
-                telemetry.log({"kind": "eval", "step": trainer.step, "epoch": record["epoch"], **trainer.evaluate()})
+                telemetry.log({"kind": "eval", "step": trainer.step, "epoch": record["epoch"], **evaluation(trainer)})
             if out.checkpoint_every and trainer.step % out.checkpoint_every == 0:
                 checkpoints.save()
             maybe_crash(config, trainer)
@@ -102,18 +103,43 @@ def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factor
             "kind": "final",
             "step": trainer.step,
             "epoch": trainer.step / trainer.schedule.steps_per_epoch,
-            **trainer.evaluate(),
+            **evaluation(trainer),
             "wall_s": time.perf_counter() - started,
             "num_experts": [layer.num_experts for layer in trainer.moe_layers],
+            "blocks": blocks,
         }
         telemetry.log(final)
     if out.final_checkpoint:
         checkpoints.save()
-    if trainer.is_rank0 and out.report:
-        final["report"] = str(draw_run_report(Path(out.out_dir)))
+    if trainer.is_rank0:
+        final.update(run_files(config, trainer))
     barrier(trainer.groups, "end of run")
     final["rank0"] = trainer.is_rank0
     return final
+
+
+def evaluation(trainer: Trainer) -> Dict:
+    """The test scores, with the held-out perplexity for a language model (exp of the loss per token)."""
+    scores = trainer.evaluate()
+    if trainer.task.scores_perplexity:
+        scores["test_perplexity"] = math.exp(min(scores["test_loss"], 700.0))  # exp overflows past ~709
+    return scores
+
+
+def run_files(config: RunConfig, trainer: Trainer) -> Dict[str, str]:
+    """Where the run left what a user looks at next (rank 0, at the end): the report, the newest complete
+    checkpoint, and the command that exports it when the model can be exported (model.source = 'hf')."""
+    from .checkpoint import complete_checkpoints
+
+    out_dir, files = config.output.out_dir, {}
+    if config.output.report:
+        files["report"] = str(draw_run_report(Path(out_dir)))
+    found = complete_checkpoints(out_dir)
+    if found:
+        files["checkpoint"] = str(found[-1])
+        if config.model.source == "hf":
+            files["export_command"] = f"python -m dynmoe_dist.export {found[-1]} --out {Path(out_dir) / 'export'}"
+    return files
 
 
 RUN_FILES = ("metrics.jsonl", "tensorboard", "checkpoints", "report.png")

@@ -75,6 +75,9 @@ def test_tiny_run_writes_metrics_and_prints_summary(tmp_path, capsys):
     assert main(TINY + ["--out-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "test accuracy" in out and str(tmp_path) in out
+    assert f"checkpoint: {tmp_path}/checkpoints/step_000006" in out and (tmp_path / "checkpoints/step_000006").is_dir()
+    assert "experts per MoE block at the end: block 1: " in out
+    assert "export it:" not in out  # only model.source = 'hf' runs export to transformers
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "step"]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
@@ -83,6 +86,50 @@ def test_tiny_run_writes_metrics_and_prints_summary(tmp_path, capsys):
     assert steps[0]["blocks"] == [1]  # model.moe_layers' default: the MoE layer sits in block 1
     assert all(r["block"] == 1 for r in records if r["kind"] == "event")
     assert records[-1]["kind"] == "final"
+
+
+def test_end_of_run_summary_says_what_to_do_next():
+    from dynmoe_dist.train.cli import summary
+
+    final = {
+        "step": 30,
+        "wall_s": 155.0,
+        "test_loss": 4.527,
+        "test_accuracy": 0.31,
+        "test_perplexity": 92.47,
+        "num_experts": [5, 5],
+        "blocks": [28, 29],
+        "report": "runs/x/report.png",
+        "checkpoint": "runs/x/checkpoints/step_000030",
+        "export_command": "python -m dynmoe_dist.export runs/x/checkpoints/step_000030 --out runs/x/export",
+    }
+    assert summary(final, "runs/x").splitlines() == [
+        "final (step 30, 155.0 s): held-out perplexity 92.47, test loss 4.5270 per token, next-token accuracy 0.3100",
+        "experts per MoE block at the end: block 28: 5, block 29: 5",
+        "metrics:    runs/x/metrics.jsonl",
+        "report:     runs/x/report.png",
+        "checkpoint: runs/x/checkpoints/step_000030",
+        "export it:  python -m dynmoe_dist.export runs/x/checkpoints/step_000030 --out runs/x/export",
+    ]
+    classification = {"step": 6, "wall_s": 1.0, "test_loss": 0.5, "test_accuracy": 0.8, "num_experts": []}
+    assert summary(classification, "o").splitlines() == [
+        "final (step 6, 1.0 s): test accuracy 0.8000, test loss 0.5000",
+        "metrics:    o/metrics.jsonl",
+    ]
+
+
+def test_language_models_are_scored_by_perplexity():
+    import math
+    from types import SimpleNamespace
+
+    from dynmoe_dist.tasks.causal_lm import CausalLMTask
+    from dynmoe_dist.tasks.synthetic import SyntheticTask
+    from dynmoe_dist.train.run import evaluation
+
+    scores = {"test_loss": 2.0, "test_accuracy": 0.5}
+    for task, perplexity in ((CausalLMTask, math.exp(2.0)), (SyntheticTask, None)):
+        trainer = SimpleNamespace(evaluate=lambda: dict(scores), task=task)
+        assert evaluation(trainer).get("test_perplexity") == perplexity, task.name
 
 
 def test_gradient_accumulation_matches_one_big_batch():
