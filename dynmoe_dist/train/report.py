@@ -223,7 +223,7 @@ def matplotlib_canvas():
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as err:
-        raise ImportError("the run report needs matplotlib: pip install 'dynmoe_dist[report]'") from err
+        raise ImportError("the run report needs matplotlib: pip install -e '.[report]' in the checkout") from err
     return Figure, FigureCanvasAgg
 
 

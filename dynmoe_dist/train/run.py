@@ -36,7 +36,7 @@ def ray_coordinator_hint() -> str:
     entry = "python -m dynmoe_dist.cluster.submit (see docs/multinode.md)"
     if importlib.util.find_spec("ray") is None:
         return (
-            f"parallel.coordinator ('ray') needs Ray, which is not installed: pip install 'dynmoe_dist[ray]', "
+            f"parallel.coordinator ('ray') needs Ray, which is not installed: pip install -e '.[ray]' in the checkout, "
             f"then submit the job with {entry}"
         )
     return f"parallel.coordinator ('ray') needs the Ray job entry point: {entry}"

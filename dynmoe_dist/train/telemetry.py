@@ -152,7 +152,7 @@ def _summary_writer_class():
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as err:
         raise ImportError(
-            "TensorBoard logging needs the 'tensorboard' package: pip install 'dynmoe_dist[report]' "
+            "TensorBoard logging needs the 'tensorboard' package: pip install -e '.[report]' in the checkout "
             "(or turn it off: tensorboard = false in the run config, Telemetry(..., tensorboard=False))"
         ) from err
     return SummaryWriter
