@@ -279,9 +279,11 @@ def test_the_own_model_blocks_run_as_pasted(sandbox):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_every_block_runs_as_pasted(tmp_path):
     """All blocks a test can run, in document order, in one fresh checkout (later blocks use the files of
-    earlier ones: the SmolLM2 run's checkpoint, the quick start's run directory). About 15 minutes."""
+    earlier ones: the SmolLM2 run's checkpoint, the quick start's run directory). About 20 minutes on 2
+    cores, most of it SmolLM2 (three 2-step runs, four lm-eval passes)."""
     root = fresh_checkout(tmp_path / "clone")
     newcomers_files(root)
     outputs = run_blocks(root, (FAST, SLOW), timeout_s=1200)
