@@ -100,6 +100,9 @@ def launch(nproc: int, train_args: List[str]) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     nproc_text, train_args = (argv[0], argv[1:]) if argv else (None, [])
+    if nproc_text in ("-h", "--help"):
+        print(USAGE)
+        return 0
     args = cli.parser().parse_args(train_args)  # --help, and argparse's own errors (exit 2), happen here
     try:
         nproc = parse_nproc(nproc_text)

@@ -240,6 +240,7 @@ def test_launcher_checks_in_process(capsys, monkeypatch):
     from dynmoe_dist.train import launch
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert launch.main(["--help"]) == 0 and capsys.readouterr().out.startswith("usage: python -m dynmoe_dist.train")
     assert launch.main(["two", "--set", "train.lr=0.1"]) == 2
     _check_error_line(capsys.readouterr().err, ["NPROC ('two') must be a positive number of local ranks"])
     assert launch.main(["4", "--set", "moe.num_experts=2"]) == 2
