@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Tuple
 
 # The agent's loggers whose failure messages repeat what the launcher says itself: "failed (exitcode: 2)
 # local_rank: 0 ...", "Sending process N closing signal SIGTERM".
@@ -37,7 +37,8 @@ def quiet_failure_logs() -> Iterator[None]:
 def run_local_workers(torchrun_args: List[str]) -> Dict[int, int]:
     """``torchrun *torchrun_args`` in this process: {} when every worker ended well, else
     {global rank: exit code} of the workers that failed (after any restarts torchrun was allowed), the
-    first to fail first (the others were usually stopped by the agent because of it)."""
+    cause first (cause_first: the agent stops the other ranks with a signal, and the failures' timestamps
+    are whole seconds)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -46,7 +47,12 @@ def run_local_workers(torchrun_args: List[str]) -> Dict[int, int]:
         with quiet_failure_logs():
             run(args)  # type: ignore[no-untyped-call]
     except ChildFailedError as err:
-        failed = err.failures
-        order = sorted(failed, key=lambda rank: (failed[rank].timestamp, rank))
-        return {rank: failed[rank].exitcode for rank in order}
+        return cause_first({rank: (f.exitcode, f.timestamp) for rank, f in err.failures.items()})
     return {}
+
+
+def cause_first(failures: Dict[int, Tuple[int, int]]) -> Dict[int, int]:
+    """{rank: (exit code, timestamp)} -> {rank: exit code}, the rank most likely to have caused the others'
+    end first: an exit on its own before an end by a signal, then the earliest, then the lowest rank."""
+    order = sorted(failures, key=lambda rank: (failures[rank][0] < 0, failures[rank][1], rank))
+    return {rank: failures[rank][0] for rank in order}

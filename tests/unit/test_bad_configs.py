@@ -249,6 +249,15 @@ def test_launcher_checks_in_process(capsys, monkeypatch):
     assert "ep_size = 2" in capsys.readouterr().out and "WORLD_SIZE" not in os.environ
 
 
+def test_the_rank_that_failed_on_its_own_comes_first():
+    from dynmoe_dist.parallel.elastic import cause_first
+
+    # rank 1 exited with status 1; the agent then stopped rank 0 with SIGTERM within the same second
+    assert list(cause_first({0: (-15, 100), 1: (1, 100)}).items()) == [(1, 1), (0, -15)]
+    assert list(cause_first({0: (2, 101), 1: (2, 100)})) == [1, 0]  # both on their own: the earlier
+    assert list(cause_first({1: (-9, 100), 0: (-9, 100)})) == [0, 1]  # both killed: the lower rank
+
+
 def test_launcher_outcome_prints_one_line(capsys):
     from dynmoe_dist.train.launch import outcome
 
