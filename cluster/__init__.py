@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 
-RAY_INSTALL_HINT = "pip install 'dynmoe_dist[ray]'"
+RAY_INSTALL_HINT = "pip install -e '.[ray]' in the checkout"
 
 
 class RayMissing(ImportError):

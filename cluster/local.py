@@ -29,7 +29,7 @@ def ray_executable() -> str:
     beside = Path(sys.executable).parent / "ray"
     found = str(beside) if beside.exists() else shutil.which("ray")
     if not found:
-        raise FileNotFoundError("no `ray` command found: pip install 'dynmoe_dist[ray]'")
+        raise FileNotFoundError("no `ray` command found: pip install -e '.[ray]' in the checkout")
     return found
 
 

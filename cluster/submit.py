@@ -21,9 +21,10 @@ from typing import Dict, List, Optional
 
 from dynmoe_dist.cluster import RayMissing, import_ray
 from dynmoe_dist.cluster.coordinator import NAMESPACE, actor_name, start_plan_actor
-from dynmoe_dist.cluster.worker import train_worker, worker_starts
+from dynmoe_dist.cluster.worker import clear_worker_errors, train_worker, worker_errors, worker_starts
 
 from dynmoe_dist.config import RunConfig, check_world, load_config
+from dynmoe_dist.train.cli import USAGE_ERROR, one_line
 from dynmoe_dist.train.startup import prepare_run
 
 SUMMARY_FILE = "ray_summary.json"
@@ -55,6 +56,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default="", help="'auto' to continue the run directory's newest checkpoint, or a path")
     p.add_argument("--max-failures", type=int, default=3, help="worker-group restarts Ray Train may do")
     p.add_argument("--coordinator-restarts", type=int, default=5, help="restarts of the plan actor Ray may do")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="only check the config and these arguments (no Ray needed) and exit: 0, or 2 with one error line "
+        "(launcher/ray_submit.sh runs this before it submits anything)",
+    )
     return p
 
 
@@ -127,8 +134,11 @@ def launch(config: RunConfig, args) -> Dict:
         )
         ray.get(actor.info.remote())  # up before the workers look it up by name
     started = time.perf_counter()
+    clear_worker_errors(config.output.out_dir)  # left by an earlier attempt under this name
     trainer_for(config, args, run_name).fit()
     wall_s = time.perf_counter() - started
+    if worker_errors(config.output.out_dir):
+        return {}
     restarts = actor_restarts(actor_name(run_name)) if actor is not None else None
     return summarize(Path(config.output.out_dir), wall_s, restarts)
 
@@ -177,15 +187,27 @@ def summarize(out_dir: Path, wall_s: float, coordinator_restarts: Optional[int])
     }
 
 
+def error_line(err: object) -> str:
+    """The same one line as `dynmoe-train` prints for a mistake."""
+    return f"dynmoe-train: error: {one_line(err)}"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
     try:
-        import_ray("ray.train.torch")
+        if not args.check:
+            import_ray("ray.train.torch")
         config = resolve(args)
     except (RayMissing, ValueError) as err:
-        print(f"dynmoe_dist.cluster.submit: error: {err}", file=sys.stderr)
-        return 2
+        print(error_line(err), file=sys.stderr, flush=True)
+        return USAGE_ERROR
+    if args.check:
+        return 0
     summary = launch(config, args)
+    errors = worker_errors(config.output.out_dir)
+    if errors:  # a mistake only the running workers could see (the token cache, a checkpoint)
+        print(errors[min(errors)], file=sys.stderr, flush=True)
+        return USAGE_ERROR
     (Path(config.output.out_dir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
     print("dynmoe ray summary: " + json.dumps({k: v for k, v in summary.items() if k != "events"}), flush=True)
     return 0

@@ -61,7 +61,41 @@ def train_worker(loop_config: Dict) -> None:
     use_ray_gpu(ray)
     # A restarted worker group continues from the newest complete checkpoint of this run (none at first).
     config.output.resume = config.output.resume or "auto"
-    run(config, coordinator_factory=coordinator_factory(loop_config["run_name"], config.parallel.timeout_s))
+    try:
+        run(config, coordinator_factory=coordinator_factory(loop_config["run_name"], config.parallel.timeout_s))
+    except ValueError as err:
+        if os.environ.get("DYNMOE_TRACEBACK"):
+            raise
+        # A user mistake (a corpus without its text column, a corrupt checkpoint) would only recur if Ray
+        # Train restarted the group: end this worker normally and leave the one line to the driver.
+        record_worker_error(config.output.out_dir, context.get_world_rank(), err)
+
+
+def error_file(out_dir: str, rank: int) -> Path:
+    return Path(out_dir) / WORKERS_DIR / f"error-rank{rank}.txt"
+
+
+def record_worker_error(out_dir: str, rank: int, err: ValueError) -> None:
+    from dynmoe_dist.train.cli import one_line
+
+    path = error_file(out_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"dynmoe-train: error: {one_line(err)}\n")
+
+
+def worker_errors(out_dir: str) -> Dict[int, str]:
+    """rank -> the error line a worker left (record_worker_error), from this attempt of the run."""
+    found = {}
+    for path in (Path(out_dir) / WORKERS_DIR).glob("error-rank*.txt"):
+        rank = path.stem[len("error-rank") :]
+        if rank.isdigit():
+            found[int(rank)] = path.read_text().strip()
+    return dict(sorted(found.items()))
+
+
+def clear_worker_errors(out_dir: str) -> None:
+    for path in (Path(out_dir) / WORKERS_DIR).glob("error-rank*.txt"):
+        path.unlink()
 
 
 def worker_starts(out_dir: str) -> Dict[int, list]:

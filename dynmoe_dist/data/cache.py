@@ -34,6 +34,10 @@ TAIL_BYTES = 1 << 20
 # How long a start waits for another process that is building the same entry. flock is released when
 # its holder dies, so this bounds only a build that is alive and slow.
 WAIT_S = float(os.environ.get("DYNMOE_PREPARE_WAIT_S", 6 * 3600))
+# The ranks of one job open the same cache at once, so all but one wait for the lock, usually for a
+# small corpus built in seconds, or for a build that fails at once (a missing text column), whose one-line
+# error must not come after a stray "waiting" line. Only a wait longer than this is worth a line.
+QUIET_WAIT_S = 15.0
 
 
 def say(message: str) -> None:
@@ -114,11 +118,13 @@ def file_problem(entry: Path, index: Dict[str, Any], full: bool) -> Optional[str
 
 
 @contextmanager
-def build_lock(lock_file: Path, timeout_s: float = WAIT_S) -> Iterator[None]:
-    """An exclusive flock on lock_file, waited for at most timeout_s (then a clear error)."""
+def build_lock(lock_file: Path, timeout_s: float = WAIT_S, quiet_s: float = QUIET_WAIT_S) -> Iterator[None]:
+    """An exclusive flock on lock_file, waited for at most timeout_s (then a clear error); a wait longer
+    than quiet_s is announced once."""
     lock_file.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_file, "w") as f:
-        deadline, told = time.monotonic() + timeout_s, False
+        started = time.monotonic()
+        deadline, told = started + timeout_s, False
         while True:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -129,7 +135,7 @@ def build_lock(lock_file: Path, timeout_s: float = WAIT_S) -> Iterator[None]:
                         f"waited {timeout_s:.0f} s for another process building the token cache "
                         f"(lock {lock_file}); run `python -m dynmoe_dist.data prepare` before training"
                     ) from None
-                if not told:
+                if not told and time.monotonic() - started >= quiet_s:
                     say(f"waiting for another process that is building this token cache ({lock_file})")
                     told = True
                 time.sleep(0.2)

@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, List, Tuple
 
+from ..paths import missing
+
 if TYPE_CHECKING:
     from datasets import Dataset
 
@@ -58,7 +60,7 @@ def corpus_files(path_text: str, field: str) -> List[Path]:
             raise ValueError(f"{field} ({path_text!r}) is a directory without {' / '.join(SUFFIXES)} files")
         return files
     if not path.is_file():
-        raise ValueError(f"{field} ({path_text!r}) does not exist")
+        raise missing(field, path_text)
     if path.suffix not in SUFFIXES:
         raise ValueError(f"{field} ({path_text!r}) must be {describe_inputs()}")
     return [path]

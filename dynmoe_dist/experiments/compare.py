@@ -63,7 +63,7 @@ TASK_PRESETS: Dict[str, Tuple[str, ...]] = {
         "train.lr=0.004",
         "train.warmup_steps=30",
     ),
-    # The upcycled finetune of launcher/configs/quickstart.toml, shortened for 16 models x 5 seeds:
+    # The upcycled finetune of launcher/configs/quickstart_long.toml, shortened for 16 models x 5 seeds:
     # layers 0-3 and the embeddings frozen (the quickstart's note: half the time, about one point),
     # max_len 48 instead of 64 (truncates 4.6% of the training snippets, 64 truncates 0.1%; padding is
     # routed too, so cost grows with max_len), 8 experts in layers 4 and 5 (the other tasks' count),

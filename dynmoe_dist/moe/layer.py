@@ -235,6 +235,22 @@ def find_moe_layers(model: nn.Module) -> List[Tuple[str, "MoELayer"]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
 
 
+def block_index(name: str) -> Optional[int]:
+    """The model block a qualified MoE layer name sits in: its first integer path component
+    ('hf.model.layers.4.mlp.moe' -> 4, 'stack.blocks.1.ffn' -> 1); None when it has none ('' for a
+    bare layer). Users number blocks as the model does (model.moe_layers), not by MoE layer position."""
+    return next((int(part) for part in name.split(".") if part.isdigit()), None)
+
+
+def block_labels(names: List[str]) -> List[int]:
+    """What reports and event lines call each MoE layer: its block index, or its position among the MoE
+    layers for every layer when some name has no block or two layers share one (labels must be unique)."""
+    blocks = [block_index(name) for name in names]
+    if None in blocks or len(set(blocks)) != len(blocks):
+        return list(range(len(names)))
+    return [b for b in blocks if b is not None]
+
+
 class MoELayer(nn.Module):
     def __init__(self, config: MoEConfig, experts: Optional[ExpertBank] = None, rule: Optional[NativeRule] = None):
         super().__init__()

@@ -242,11 +242,24 @@ def pack_experts(
             if best_key is None or key < best_key:
                 best, best_key = assigned, key
     assert best is not None, "the first candidate is never abandoned"
+    return to_placement(best, ep_size, len(loads)), count_moves(best, homes, home_sets)
+
+
+def to_placement(assigned: Assigned, ep_size: int, num_experts: int) -> Placement:
     per_rank: List[List[int]] = [[] for _ in range(ep_size)]
-    for (expert, _, _), rank in best:
+    for (expert, _, _), rank in assigned:
         per_rank[rank].append(expert)
-    placement = Placement.from_rank_lists(ep_size, len(loads), [sorted(r) for r in per_rank])
-    return placement, count_moves(best, homes, home_sets)
+    return Placement.from_rank_lists(ep_size, num_experts, [sorted(r) for r in per_rank])
+
+
+def place_unmoved(loads: Sequence[float], homes: Homes, ep_size: int) -> Placement:
+    """The placement that moves nothing: every existing expert keeps all its current holders (its
+    replicas too), and each new expert (no home yet) goes, largest first, to the least loaded rank.
+    The planner compares a re-placement against this one."""
+    replicas = [max(1, len(h)) for h in homes]
+    assigned = place_sticky(make_items(loads, replicas), homes, ep_size, cap=None)
+    assert assigned is not None, "without give_up_above a packing is never abandoned"
+    return to_placement(assigned, ep_size, len(loads))
 
 
 def rank_loads(placement: Placement, loads: Sequence[float]) -> List[float]:

@@ -32,10 +32,16 @@ def task_spec(name: str) -> TaskSpec:
     if name in TASK_SPECS:
         return TASK_SPECS[name]
     missing = "".join(
-        f"; tasks/{m}.py did not load (no module {p!r}: pip install 'dynmoe_dist[data]')"
+        f"; tasks/{m}.py did not load (no module {p!r}: pip install -e '.[data]' in the checkout)"
         for m, p in sorted(_unavailable.items())
     )
     raise ValueError(f"task.name ({name!r}) must be one of {sorted(TASK_SPECS)}{missing}")
+
+
+def all_task_specs() -> Dict[str, TaskSpec]:
+    """Every task that could load (the optional ones need the 'data' extra), by name: what --help lists."""
+    _load_optional()
+    return dict(sorted(TASK_SPECS.items()))
 
 
 def build_task(task_config) -> Task:
@@ -56,6 +62,7 @@ __all__ = [
     "Batch",
     "Task",
     "TaskSpec",
+    "all_task_specs",
     "build_task",
     "register",
     "split_indices",

@@ -56,6 +56,8 @@ class Task:
     """A classification task held in memory as tensors, split into 'train' and 'test'."""
 
     name = "task"
+    scores_perplexity = False
+    """A language model: its test score is the held-out perplexity, exp(test_loss per token)."""
 
     def __init__(self, splits: Dict[str, Dict[str, Tensor]], num_classes: int):
         self.splits = splits
@@ -124,6 +126,10 @@ class TaskSpec:
     """validate(run_config): raise ValueError for settings the task cannot run, without loading data."""
     model_kind: str = ""
     """The ModelNeeds.kind of the task's model, known before any data is loaded (config-time checks)."""
+    summary: str = ""
+    """One line for `dynmoe-train --help` (task.name): what the task trains on, with which model."""
+    path_forms: str = ""
+    """What task.path names for this task, for --help (empty when the task reads no task.path)."""
 
 
 TASKS: Dict[str, Callable[..., Task]] = {}
@@ -135,14 +141,17 @@ def register(
     model_kind: str,
     reads: Optional[Iterable[str]] = None,
     validate: Optional[Callable[..., None]] = None,
+    summary: str = "",
+    path_forms: str = "",
 ):
-    """Decorator of a task factory; `model_kind`, `reads` and `validate` as in TaskSpec."""
+    """Decorator of a task factory; `model_kind`, `reads`, `validate`, `summary` and `path_forms` as in TaskSpec."""
     unknown = set(reads or ()) - TASK_OPTIONS
     assert not unknown, f"task {name!r} declares options outside TASK_OPTIONS: {sorted(unknown)}"
 
     def wrap(factory):
         TASKS[name] = factory
-        TASK_SPECS[name] = TaskSpec(factory, None if reads is None else frozenset(reads), validate, model_kind)
+        frozen = None if reads is None else frozenset(reads)
+        TASK_SPECS[name] = TaskSpec(factory, frozen, validate, model_kind, summary, path_forms)
         return factory
 
     return wrap

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ..data import CorpusSpec, TokenWindows, open_corpus
 from ..data.sources import BUILTIN_CORPORA, describe_inputs, register_builtin
+from ..paths import missing
 from .base import Batch, ModelNeeds, Task, register, split_indices
 from .common import subset_indices
 
@@ -37,6 +38,7 @@ class CausalLMTask(Task):
     """Train and held-out windows read from the token cache; ``splits`` stays empty (nothing in memory)."""
 
     name = "causal-lm"
+    scores_perplexity = True
 
     def __init__(self, windows: Dict[str, TokenWindows], vocab_size: int, seq_len: int, tokenizer_path: str):
         super().__init__({}, vocab_size)
@@ -152,17 +154,19 @@ def validate(run_config) -> None:
         t.tokenizer = m.path
     for option, value in (("model.path", m.path), ("task.tokenizer", t.tokenizer)):
         if not value.startswith("package:") and not Path(value).expanduser().exists():
-            raise ValueError(f"{option} ({value!r}) does not exist")
+            raise missing(option, value)
     if not t.path:
         raise ValueError(f"task.path ('') must name {describe_inputs()} for task 'causal-lm'")
     for option, value in (("task.path", t.path), ("task.test_path", t.test_path)):
         if value and value not in BUILTIN_CORPORA and not Path(value).expanduser().exists():
-            raise ValueError(f"{option} ({value!r}) does not exist")
+            raise missing(option, value)
 
 
 @register(
     "causal-lm",
     model_kind="causal-lm",
+    summary="next-token language modelling of your own text with a transformers model (model.source = 'hf')",
+    path_forms=f"{describe_inputs()}; .jsonl / .parquet / .arrow read the text from task.text_field",
     validate=validate,
     reads=(
         "task.path",

@@ -40,6 +40,7 @@ class SyntheticTask(Task):
     "synthetic",
     model_kind="token-classifier",
     reads=("task.test_fraction", "task.max_len", "model.dim", "model.num_heads", "model.ffn_dim", "model.freeze"),
+    summary="seeded random token sequences and a small built-in encoder: tests and demos, nothing to download",
 )
 def build(task_config) -> SyntheticTask:
     total = task_config.num_samples or SAMPLES

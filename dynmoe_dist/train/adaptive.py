@@ -11,6 +11,7 @@ from typing import Dict, List
 
 from ..config import AdaptiveConfig
 from ..coordination import Coordinator, PlanRequest
+from ..moe.layer import block_labels
 from ..planning.planner import LayerPlan, Plan, PlannerConfig
 from .experts import ExpertSet
 from .recorder import Recorders
@@ -105,12 +106,14 @@ class AdaptiveController:
             "step": plan.step,
             "epoch": plan.step / self.steps_per_epoch,
             "layer": lp.layer,
+            "block": block_labels([shard.name for shard in self.experts.shards])[lp.layer],  # the model's numbering
             "removed": list(lp.removed),
             "added": [{"expert": first_added + i, "init": spec.init} for i, spec in enumerate(lp.added)],
             "moves": lp.moves,
             "replicas": {str(e): lp.placement.num_replicas(e) for e in lp.placement.replicated_experts()},
             "imbalance_before": lp.imbalance_before,
             "imbalance_after": lp.imbalance_after,
+            "imbalance_unmoved": lp.imbalance_unmoved,
             "num_experts": lp.num_experts,
             "planned_by": plan.planned_by,
             "version": plan.version,

@@ -11,12 +11,15 @@ import argparse
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Callable, List, Optional
 
 from ..config import RunConfig, load_config, options_help
+from .help import option_choices, paths_note
 from .startup import ConfigWarning, prepare_run
 
 USAGE_ERROR = 2  # the exit status argparse uses for a bad command line
+ERROR_DIR_ENV = "DYNMOE_ERROR_DIR"  # set by train/launch.py for the ranks it starts
 
 
 def parser() -> argparse.ArgumentParser:
@@ -26,7 +29,7 @@ def parser() -> argparse.ArgumentParser:
         description="Train a DynMoE model (single process, torchrun, or Ray workers).",
         epilog="Every option below can be set in the TOML file (as [section] key = value) or with\n"
         "--set section.key=value. A mistake is one line 'error: ...' and exit status 2\n"
-        "(DYNMOE_TRACEBACK=1 shows the traceback).\n\n" + options_help(),
+        "(DYNMOE_TRACEBACK=1 shows the traceback).\n" + paths_note() + "\n\n" + options_help(option_choices()),
     )
     p.add_argument("--config", help="TOML run file (e.g. launcher/configs/demo.toml)")
     p.add_argument(
@@ -53,15 +56,32 @@ def resolve(args) -> "RunConfig":
 
 
 def summary(final: dict, out_dir: str) -> str:
-    lines = [
-        f"test accuracy {final['test_accuracy']:.4f}  test loss {final['test_loss']:.4f}  "
-        f"steps {final['step']}  wall {final['wall_s']:.1f}s",
-        f"experts per MoE layer at the end: {final.get('num_experts')}",
-        f"metrics: {out_dir}/metrics.jsonl",
-    ]
+    """What the end of a run prints: its final scores, its experts, and where its files are, with the
+    commands a user runs next (export, for a model that can be exported)."""
+    lines = [f"final (step {final['step']}, {final['wall_s']:.1f} s): {final_scores(final)}"]
+    blocks = final.get("blocks") or list(range(len(final.get("num_experts") or [])))
+    if final.get("num_experts"):
+        counts = ", ".join(f"block {b}: {n}" for b, n in zip(blocks, final["num_experts"]))
+        lines.append(f"experts per MoE block at the end: {counts}")
+    lines.append(f"metrics:    {out_dir}/metrics.jsonl")
     if final.get("report"):
-        lines.append(f"report: {final['report']}")
+        lines.append(f"report:     {final['report']}")
+    if final.get("checkpoint"):
+        lines.append(f"checkpoint: {final['checkpoint']}")
+    if final.get("export_command"):
+        lines.append(f"export it:  {final['export_command']}")
     return "\n".join(lines)
+
+
+def final_scores(final: dict) -> str:
+    """'test accuracy 0.8006, test loss 0.4321'; a language model's perplexity first, and its accuracy is
+    per token."""
+    if "test_perplexity" in final:
+        return (
+            f"held-out perplexity {final['test_perplexity']:.2f}, test loss {final['test_loss']:.4f} per token, "
+            f"next-token accuracy {final['test_accuracy']:.4f}"
+        )
+    return f"test accuracy {final['test_accuracy']:.4f}, test loss {final['test_loss']:.4f}"
 
 
 def is_rank0() -> bool:
@@ -73,14 +93,25 @@ def one_line(err: object) -> str:
     return " ".join(str(err).split())
 
 
+def report_error(err: object) -> None:
+    """The one error line: on stderr, or, under the launcher (train/launch.py), into this rank's file in
+    the directory it names, from which it prints one line for the whole job."""
+    line = f"dynmoe-train: error: {one_line(err)}"
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    if error_dir:
+        Path(error_dir, f"rank{os.environ.get('RANK', '0')}").write_text(line + "\n")
+    else:
+        print(line, file=sys.stderr, flush=True)
+
+
 def guarded(action: Callable[[], int]) -> int:
-    """action(), with a ValueError (a user mistake) turned into one stderr line and exit status 2."""
+    """action(), with a ValueError (a user mistake) turned into one error line and exit status 2."""
     try:
         return action()
     except ValueError as err:
         if os.environ.get("DYNMOE_TRACEBACK"):
             raise
-        print(f"dynmoe-train: error: {one_line(err)}", file=sys.stderr, flush=True)
+        report_error(err)
         return USAGE_ERROR
 
 

@@ -51,6 +51,12 @@ class ReportSeries:
     events: List[Tuple[int, int, str]] = field(default_factory=list)
     """(step, layer, change) with change in EVENT_CHANGES, in step order."""
     final: Optional[Dict[str, Any]] = None
+    blocks: List[int] = field(default_factory=list)
+    """The model block of each MoE layer (step records' ``blocks``); empty for runs logged before it."""
+
+    def layer_label(self, layer: int) -> str:
+        """'block 4': the model's own numbering (model.moe_layers); 'MoE layer 0' for older runs."""
+        return f"block {self.blocks[layer]}" if layer < len(self.blocks) else f"MoE layer {layer}"
 
     def event_steps(self, change: str, layer: Optional[int] = None) -> np.ndarray:
         return np.array([s for s, at, c in self.events if c == change and layer in (None, at)], dtype=np.int64)
@@ -153,6 +159,7 @@ def report_series(records: Sequence[Dict[str, Any]]) -> ReportSeries:
         test_accuracy=_scalar(evals, "test_accuracy"),
         events=_event_marks([r for r in records if r["kind"] == "event"]),
         final=finals[-1] if finals else None,
+        blocks=list(steps[-1].get("blocks") or []),
     )
 
 
@@ -216,7 +223,7 @@ def matplotlib_canvas():
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as err:
-        raise ImportError("the run report needs matplotlib: pip install 'dynmoe_dist[report]'") from err
+        raise ImportError("the run report needs matplotlib: pip install -e '.[report]' in the checkout") from err
     return Figure, FigureCanvasAgg
 
 
@@ -307,7 +314,7 @@ def _draw_per_layer(ax, series: ReportSeries, attribute: str, title: str, ylabel
             series.steps_S,
             smooth(getattr(data, attribute), window),
             color=_layer_colour(layer, num_layers),
-            label=f"layer {layer}",
+            label=series.layer_label(layer),
             linewidth=width,
             drawstyle="steps-post" if steps_drawstyle else "default",
         )
@@ -335,7 +342,7 @@ def _draw_rank_imbalance(ax, series: ReportSeries) -> None:
 
 def _draw_heatmap(fig, ax, series: ReportSeries, layer: int, max_bins: int) -> None:
     data = series.layers[layer]
-    title = f"MoE layer {layer}: share of routed rows per expert (grey: no expert in that slot)"
+    title = f"{series.layer_label(layer)}: share of routed rows per expert (grey: no expert in that slot)"
     if data.load_XS.shape[0] == 0 or np.all(np.isnan(data.load_XS)):
         return _empty(ax, title, "expert_load not recorded")
     share_XB, edges = bin_columns(load_share(data.load_XS), column_edges(series.steps_S), max_bins)
@@ -370,7 +377,9 @@ def _suptitle(series: ReportSeries, metrics_path: Path) -> str:
         f"(last step {series.steps_S[-1]}), {_plural(len(series.layers), 'MoE layer')}"
     ]
     final = series.final or {}
-    if isinstance(final.get("test_accuracy"), (int, float)):
+    if isinstance(final.get("test_perplexity"), (int, float)):
+        parts.append(f"final held-out perplexity {final['test_perplexity']:.2f}")
+    elif isinstance(final.get("test_accuracy"), (int, float)):
         parts.append(f"final test accuracy {final['test_accuracy']:.4f}")
     if isinstance(final.get("wall_s"), (int, float)):
         parts.append(f"wall {final['wall_s']:.0f} s")

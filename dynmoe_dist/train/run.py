@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Callable, Dict, Optional
 
 from ..config import RunConfig
 from ..coordination import CollectiveCoordinator
+from ..moe.layer import block_labels
 from ..parallel.groups import barrier
 from .adaptive import AdaptiveController
 from .calibrate import calibrate_converted
@@ -46,7 +48,7 @@ def ray_coordinator_hint() -> str:
     entry = "python -m dynmoe_dist.cluster.submit (see docs/multinode.md)"
     if importlib.util.find_spec("ray") is None:
         return (
-            f"parallel.coordinator ('ray') needs Ray, which is not installed: pip install 'dynmoe_dist[ray]', "
+            f"parallel.coordinator ('ray') needs Ray, which is not installed: pip install -e '.[ray]' in the checkout, "
             f"then submit the job with {entry}"
         )
     return f"parallel.coordinator ('ray') needs the Ray job entry point: {entry}"
@@ -98,14 +100,16 @@ def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factor
     ) as telemetry:
         if calibration is not None:
             telemetry.log(calibration)
+        blocks = block_labels([shard.name for shard in trainer.parts.experts.shards])  # labels for the report
         while trainer.step < total:
             record, events = step_once(trainer, adaptive)
+            record["blocks"] = blocks
             if (trainer.step - 1) % config.train.log_every == 0 or trainer.step == total:
                 telemetry.log(record)
             for event in events:
                 telemetry.log(event)
             if config.train.eval_every and trainer.step % config.train.eval_every == 0 and trainer.step < total:
-                telemetry.log({"kind": "eval", "step": trainer.step, "epoch": record["epoch"], **trainer.evaluate()})
+                telemetry.log({"kind": "eval", "step": trainer.step, "epoch": record["epoch"], **evaluation(trainer)})
             if out.checkpoint_every and trainer.step % out.checkpoint_every == 0:
                 checkpoints.save(trainer.step)
             maybe_crash(config, trainer)
@@ -113,18 +117,43 @@ def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factor
             "kind": "final",
             "step": trainer.step,
             "epoch": trainer.step / trainer.schedule.steps_per_epoch,
-            **trainer.evaluate(),
+            **evaluation(trainer),
             "wall_s": time.perf_counter() - started,
             "num_experts": [layer.num_experts for layer in trainer.moe_layers],
+            "blocks": blocks,
         }
         telemetry.log(final)
     if out.final_checkpoint:
         checkpoints.save(trainer.step)
-    if trainer.is_rank0 and out.report:
-        final["report"] = str(draw_run_report(Path(out.out_dir)))
+    if trainer.is_rank0:
+        final.update(run_files(config, trainer))
     barrier(trainer.groups, "end of run")
     final["rank0"] = trainer.is_rank0
     return final
+
+
+def evaluation(trainer: Trainer) -> Dict:
+    """The test scores, with the held-out perplexity for a language model (exp of the loss per token)."""
+    scores = trainer.evaluate()
+    if trainer.task.scores_perplexity:
+        scores["test_perplexity"] = math.exp(min(scores["test_loss"], 700.0))  # exp overflows past ~709
+    return scores
+
+
+def run_files(config: RunConfig, trainer: Trainer) -> Dict[str, str]:
+    """Where the run left what a user looks at next (rank 0, at the end): the report, the newest complete
+    checkpoint, and the command that exports it when the model can be exported (model.source = 'hf')."""
+    from .checkpoint import complete_checkpoints
+
+    out_dir, files = config.output.out_dir, {}
+    if config.output.report:
+        files["report"] = str(draw_run_report(Path(out_dir)))
+    found = complete_checkpoints(out_dir)
+    if found:
+        files["checkpoint"] = str(found[-1])
+        if config.model.source == "hf":
+            files["export_command"] = f"python -m dynmoe_dist.export {found[-1]} --out {Path(out_dir) / 'export'}"
+    return files
 
 
 RUN_FILES = ("metrics.jsonl", "tensorboard", "checkpoints", "report.png")

@@ -118,7 +118,7 @@ def resolve_optional_features(config: RunConfig) -> RunConfig:
         missing = missing_packages(packages) if option_value(config, option) else []
         if not missing:
             continue
-        install = f"pip install 'dynmoe_dist[{extra}]'"
+        install = f"pip install -e '.[{extra}]' in the checkout"
         if option in config.explicit:
             raise ValueError(
                 f"{option} (true) needs {', '.join(missing)}, which is not installed: {install} (or set {option}=false)"

@@ -2,9 +2,14 @@
 
 Every record is a flat JSON object with a ``kind`` and the optimizer ``step`` it belongs to:
 
-- ``step``: training scalars plus per-MoE-layer lists (``num_experts``, ``mean_k``, ``num_replicas``)
-  and per-layer nested lists (``expert_load`` rows per expert, ``rank_load`` rows per EP rank);
-- ``eval``: test scalars; ``event``: one adaptive change of one layer; ``final``: end-of-run scalars.
+- ``step``: training scalars plus per-MoE-layer lists (``num_experts``, ``mean_k``, ``num_replicas``,
+  ``blocks``: the model block each MoE layer sits in) and per-layer nested lists (``expert_load`` rows
+  per expert, ``rank_load`` rows per EP rank);
+- ``eval``: test scalars; ``event``: one adaptive change of one layer (``layer``: its position among
+  the MoE layers, ``block``: the model's block index); ``final``: end-of-run scalars.
+
+What a user reads (event lines, TensorBoard tags, the report) names a layer by its model block ("block
+4"), as model.moe_layers does; records written before ``blocks`` existed are labelled by position.
 
 Only rank 0 writes files; every other rank gets a ``Telemetry`` that does nothing, so the trainer
 calls it unconditionally. The JSON lines file is flushed per line so that a crashed run keeps every
@@ -24,7 +29,7 @@ from typing import Any, Dict, List, Optional
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 RECORD_KINDS = ("step", "eval", "event", "final", "calibration")
-PER_LAYER_LISTS = ("num_experts", "mean_k", "num_replicas", "expert_load", "rank_load")
+PER_LAYER_LISTS = ("num_experts", "mean_k", "num_replicas", "expert_load", "rank_load", "blocks")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -147,7 +152,7 @@ def _summary_writer_class():
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as err:
         raise ImportError(
-            "TensorBoard logging needs the 'tensorboard' package: pip install 'dynmoe_dist[report]' "
+            "TensorBoard logging needs the 'tensorboard' package: pip install -e '.[report]' in the checkout "
             "(or turn it off: tensorboard = false in the run config, Telemetry(..., tensorboard=False))"
         ) from err
     return SummaryWriter
@@ -157,29 +162,49 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool)
 
 
+def layer_names(record: Dict[str, Any]) -> List[str]:
+    """'block{b}' for each MoE layer of a step record, by the model's block index; 'layer{i}' (the
+    position) for records written before step records carried ``blocks``."""
+    blocks = record.get("blocks")
+    if blocks:
+        return [f"block{b}" for b in blocks]
+    return [f"layer{i}" for i in range(len(record.get("num_experts") or []))]
+
+
+def event_layer_name(record: Dict[str, Any]) -> str:
+    """'block{b}' of an event record ('layer{i}' for one written before events carried ``block``)."""
+    return f"block{record['block']}" if "block" in record else f"layer{record.get('layer', 0)}"
+
+
 def scalar_tags(record: Dict[str, Any]) -> Dict[str, float]:
     """TensorBoard tag -> value for every numeric scalar of a record.
 
-    Step records: top-level numbers under ``train/``, per-layer lists under ``moe/layer{i}/{field}``,
-    and ``rank_load`` reduced to ``moe/layer{i}/rank_load_max_over_mean`` (the load of the busiest EP
+    Step records: top-level numbers under ``train/``, per-layer lists under ``moe/block{b}/{field}``,
+    and ``rank_load`` reduced to ``moe/block{b}/rank_load_max_over_mean`` (the load of the busiest EP
     rank over the mean: the straggler ratio that replication is meant to bring down).
-    Eval / final records: ``eval/{field}`` / ``final/{field}``. Events: ``event/layer{i}/{field}``.
+    Eval / final records: ``eval/{field}`` / ``final/{field}``. Events: ``event/block{b}/{field}``.
+    (``layer{i}`` instead of ``block{b}`` for records from before the block labels.)
     """
     kind = record["kind"]
-    prefix = {"step": "train", "event": f"event/layer{record.get('layer', 0)}"}.get(kind, kind)
+    prefix = {"step": "train", "event": f"event/{event_layer_name(record)}"}.get(kind, kind)
     tags = {
         f"{prefix}/{field}": float(value)
         for field, value in record.items()
-        if field not in ("step", "layer") and _is_number(value)
+        if field not in ("step", "layer", "block") and _is_number(value)
     }
     if kind != "step":
         return tags  # per-layer lists exist only in step records (an event's `removed` is expert ids)
+    names = layer_names(record)
     for field, values in record.items():
-        if isinstance(values, list) and all(_is_number(v) for v in values):
-            tags.update({f"moe/layer{i}/{field}": float(v) for i, v in enumerate(values)})
+        if field != "blocks" and isinstance(values, list) and all(_is_number(v) for v in values):
+            tags.update({f"moe/{_nth(names, i)}/{field}": float(v) for i, v in enumerate(values)})
     for layer, loads in enumerate(record.get("rank_load") or []):
-        tags[f"moe/layer{layer}/rank_load_max_over_mean"] = _max_over_mean(loads)
+        tags[f"moe/{_nth(names, layer)}/rank_load_max_over_mean"] = _max_over_mean(loads)
     return tags
+
+
+def _nth(names: List[str], i: int) -> str:
+    return names[i] if i < len(names) else f"layer{i}"  # a list that is not per MoE layer keeps positions
 
 
 def _max_over_mean(values: List[float]) -> float:
@@ -200,7 +225,7 @@ class TensorBoardWriter:
         for tag, value in scalar_tags(record).items():
             self._writer.add_scalar(tag, value, global_step=step)
         if record["kind"] == "event":
-            self._writer.add_text(f"events/layer{record.get('layer', 0)}", describe_event(record), step)
+            self._writer.add_text(f"events/{event_layer_name(record)}", describe_event(record), step)
 
     def close(self) -> None:
         self._writer.flush()
@@ -212,8 +237,8 @@ class TensorBoardWriter:
 
 
 def describe_event(record: Dict[str, Any]) -> str:
-    """One line for an adaptive event, e.g. 'step 33 layer 0: removed [3]; added 7 (reuse_discarded);
-    2 moves; replicas {2: 2}; imbalance 1.80 -> 1.10; 8 experts'."""
+    """One line for an adaptive event, e.g. 'step 33 block 4: removed [3]; added 7 (reuse_discarded);
+    2 moves; replicas {2: 2}; imbalance measured 1.80, planned 1.75 -> 1.10 by the moves; 8 experts'."""
     parts = []
     if record.get("removed"):
         parts.append(f"removed {list(record['removed'])}")
@@ -224,12 +249,28 @@ def describe_event(record: Dict[str, Any]) -> str:
         parts.append(f"{record['moves']} moves")
     if record.get("replicas"):
         parts.append("replicas {" + ", ".join(f"{e}: {n}" for e, n in record["replicas"].items()) + "}")
-    if "imbalance_before" in record and "imbalance_after" in record:
-        parts.append(f"imbalance {record['imbalance_before']:.2f} -> {record['imbalance_after']:.2f}")
+    imbalance = describe_imbalance(record)
+    if imbalance:
+        parts.append(imbalance)
     if "num_experts" in record:
         parts.append(f"{record['num_experts']} experts")
     body = "; ".join(parts) if parts else "no change"
-    return f"step {record['step']} layer {record.get('layer', '?')}: {body}"
+    where = f"block {record['block']}" if "block" in record else f"layer {record.get('layer', '?')}"
+    return f"step {record['step']} {where}: {body}"
+
+
+def describe_imbalance(record: Dict[str, Any]) -> str:
+    """'imbalance measured 1.10, planned 1.12 -> 1.04 by the moves': the window's max / mean rank load on
+    the old placement, then the plan's estimate with nothing moved and (if experts move) after the moves.
+    Events written before the unmoved estimate existed read 'imbalance 1.10 -> 1.04' (measured -> planned)."""
+    measured, planned = record.get("imbalance_before"), record.get("imbalance_after")
+    if measured is None or planned is None:
+        return ""
+    unmoved = record.get("imbalance_unmoved")
+    if unmoved is None:
+        return f"imbalance {measured:.2f} -> {planned:.2f}"
+    text = f"imbalance measured {measured:.2f}, planned {unmoved:.2f}"
+    return text + (f" -> {planned:.2f} by the moves" if record.get("moves") else "")
 
 
 def describe_scores(record: Dict[str, Any]) -> str:

@@ -11,7 +11,7 @@ from raytest import SETTINGS, start_head, torchrun
 
 def needs_ray() -> None:
     if importlib.util.find_spec("ray") is None:
-        pytest.skip("Ray is not installed (pip install 'dynmoe_dist[ray]')")
+        pytest.skip("Ray is not installed (pip install -e '.[ray]' in the checkout)")
 
 
 @pytest.fixture(scope="module")

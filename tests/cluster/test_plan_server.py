@@ -16,7 +16,8 @@ The plan, worked by hand (planning/planner.py, planning/packing.py):
   place:  sticky, largest first: new 0 (home 0) -> rank 0; the new expert (no home) -> the emptier rank
           1; new 1 (old e2, home 1) -> rank 1. Ranks [3, 4], 0 moves (LPT reaches max 4 too, with 1 move)
           -> placement rank 0: [0], rank 1: [1, 2]
-  imbalance before: old ranks [3 + 0, 1 + 0] -> 3 / 2 = 1.5; after: [3, 4] -> 4 / 3.5 = 8/7
+  imbalance before: old ranks [3 + 0, 1 + 0] -> 3 / 2 = 1.5; after: [3, 4] -> 4 / 3.5 = 8/7, the same
+          as with nothing moved (imbalance_unmoved: kept experts stay, the new one goes to rank 1)
 """
 
 import asyncio
@@ -75,6 +76,7 @@ EXPECTED_LAYER = LayerPlan(
     moves=0,
     imbalance_before=1.5,
     imbalance_after=4 / 3.5,
+    imbalance_unmoved=4 / 3.5,
 )
 EXPECTED = Plan(version=1, step=26, layers=(EXPECTED_LAYER,), planned_by="ray")
 

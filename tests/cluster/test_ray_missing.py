@@ -12,7 +12,7 @@ from raytest import DEMO, ROOT
 from dynmoe_dist.config import load_config
 from dynmoe_dist.parallel.groups import single_process
 
-HINT = "pip install 'dynmoe_dist[ray]'"
+HINT = "pip install -e '.[ray]' in the checkout"
 pytestmark = pytest.mark.ray
 
 

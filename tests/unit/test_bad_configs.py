@@ -164,6 +164,28 @@ def test_bad_config_is_one_line_and_exit_status_2(args, world_size, fragments, b
     _check_error_line(captured.err, fragments)
 
 
+@pytest.mark.parametrize(
+    "args, option, written",
+    [
+        (["--config", "my_run.toml"], "config file", "my_run.toml"),
+        (_set("task.name='causal-lm'", "model.source='hf'", "model.path='tiny_qwen2'"), "model.path", "tiny_qwen2"),
+        (_set("task.name='jsonl'", "task.path='data/train.jsonl'"), "task.path", "data/train.jsonl"),
+        (_set("output.resume='runs/x/checkpoints/step_10'"), "output.resume", "runs/x/checkpoints/step_10"),
+    ],
+    ids=["config", "model-path", "jsonl-path", "resume"],
+)
+def test_relative_paths_are_shown_as_resolved(args, option, written, tmp_path, monkeypatch, capsys):
+    """Relative paths are read from the directory the command runs in; the error shows where it looked."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(args + ["--print-config"]) == 2
+    resolved = tmp_path.resolve() / written
+    _check_error_line(
+        capsys.readouterr().err,
+        [f"{option} ('{written}' = {resolved})", "relative paths are read from the directory the command runs in"],
+    )
+
+
 def test_the_table_is_big_enough():
     assert len(CASES) >= 25 and len({c[0] for c in CASES}) == len(CASES)
 
@@ -197,7 +219,8 @@ def test_real_command_exits_2_with_one_line(args, fragments, bad_files):
 
 
 def test_torchrun_launcher_fails_before_any_process_group(tmp_path):
-    """Under torchrun every rank sees WORLD_SIZE=2 and refuses ep_size 3 while loading the config."""
+    """launcher/torchrun.sh checks the config once, as rank 0 of a 2-rank world, before starting a rank:
+    one line, exit status 2 (tests/distributed/test_bad_input.py runs the mistakes a rank finds itself)."""
     env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(
         ["sh", "launcher/torchrun.sh", "2", "--set", "parallel.ep_size=3"],
@@ -207,9 +230,45 @@ def test_torchrun_launcher_fails_before_any_process_group(tmp_path):
         text=True,
         timeout=60,
     )
-    assert proc.returncode != 0
-    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("dynmoe-train: error:")]
-    assert errors and all("parallel.ep_size (3) does not divide the world size (2" in e for e in errors), errors
+    assert proc.returncode == 2
+    assert (proc.stdout + proc.stderr).strip() == (
+        "dynmoe-train: error: parallel.ep_size (3) does not divide the world size (2)"
+    )
+
+
+def test_launcher_checks_in_process(capsys, monkeypatch):
+    from dynmoe_dist.train import launch
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert launch.main(["--help"]) == 0 and capsys.readouterr().out.startswith("usage: python -m dynmoe_dist.train")
+    assert launch.main(["two", "--set", "train.lr=0.1"]) == 2
+    _check_error_line(capsys.readouterr().err, ["NPROC ('two') must be a positive number of local ranks"])
+    assert launch.main(["4", "--set", "moe.num_experts=2"]) == 2
+    _check_error_line(capsys.readouterr().err, ["moe.num_experts (2) < ep_size (4)"])
+    assert launch.main(["2", "--set", "parallel.ep_size=2", "--print-config"]) == 0  # nothing started
+    assert "ep_size = 2" in capsys.readouterr().out and "WORLD_SIZE" not in os.environ
+
+
+def test_the_rank_that_failed_on_its_own_comes_first():
+    from dynmoe_dist.parallel.elastic import cause_first
+
+    # rank 1 exited with status 1; the agent then stopped rank 0 with SIGTERM within the same second
+    assert list(cause_first({0: (-15, 100), 1: (1, 100)}).items()) == [(1, 1), (0, -15)]
+    assert list(cause_first({0: (2, 101), 1: (2, 100)})) == [1, 0]  # both on their own: the earlier
+    assert list(cause_first({1: (-9, 100), 0: (-9, 100)})) == [0, 1]  # both killed: the lower rank
+
+
+def test_launcher_outcome_prints_one_line(capsys):
+    from dynmoe_dist.train.launch import outcome
+
+    errors = {1: "dynmoe-train: error: from rank 1", 0: "dynmoe-train: error: from rank 0"}
+    assert outcome({1: 2, 0: 2}, errors) == 2
+    assert capsys.readouterr().err == "dynmoe-train: error: from rank 0\n"  # rank 0's line when it has one
+    assert outcome({1: 2, 0: -15}, {1: "dynmoe-train: error: from rank 1"}) == 2
+    assert capsys.readouterr().err == "dynmoe-train: error: from rank 1\n"
+    assert outcome({1: 17, 0: -15}, {}) == 1  # a crash: torchrun's status, the first rank to fail named
+    assert capsys.readouterr().err == "dynmoe-train: rank 1 failed (exit status 17); its output is above\n"
+    assert outcome({}, {}) == 0 and capsys.readouterr().err == ""
 
 
 def test_errors_from_inside_the_run_are_one_line_too(monkeypatch, capsys):

@@ -2,7 +2,8 @@
 
 kernels -> moe -> models -> planning -> parallel -> train -> cluster -> launcher: a module may import
 its own layer and the layers before it, never one after it. The modules DESIGN does not list sit where
-their imports put them: ``data`` (token files, read by tasks) then ``tasks`` and ``config`` between
+their imports put them: ``paths`` (how path options are read; imports nothing of the project) first,
+``data`` (token files, read by tasks) then ``tasks`` and ``config`` between
 planning and parallel (they build models and read the planner's options), ``coordination`` between
 parallel and train (the trainer calls it), and ``bench`` / ``experiments`` between train and cluster
 (they drive the trainer).
@@ -15,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ["dynmoe_dist", "kernels", "cluster", "launcher"]
 ORDER = [
     "kernels",
+    "paths",
     "moe",
     "models",
     "planning",

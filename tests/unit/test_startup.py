@@ -90,7 +90,9 @@ def test_default_features_without_their_extra_turn_off_with_a_warning(monkeypatc
     assert not config.output.tensorboard and not config.output.report
     texts = [str(w.message) for w in caught if w.category is ConfigWarning]
     assert len(texts) == 2 and "output.tensorboard turned off: tensorboard is not installed" in texts[0]
-    assert "output.report turned off: matplotlib" in texts[1] and "pip install 'dynmoe_dist[report]'" in texts[1]
+    assert (
+        "output.report turned off: matplotlib" in texts[1] and "pip install -e '.[report]' in the checkout" in texts[1]
+    )
 
 
 @pytest.mark.parametrize("option, package", [("output.tensorboard", "tensorboard"), ("output.report", "matplotlib")])
@@ -100,7 +102,7 @@ def test_a_feature_asked_for_by_name_fails_naming_the_extra(monkeypatch, option,
     with pytest.raises(
         ValueError,
         match=rf"{option} \(true\) needs {package}, which is not installed: "
-        r"pip install 'dynmoe_dist\[report\]'",
+        r"pip install -e '\.\[report\]' in the checkout",
     ):
         resolve_optional_features(config)
 

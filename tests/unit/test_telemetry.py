@@ -226,7 +226,7 @@ def test_tensorboard_scalars_read_back(tmp_path):
 
 def test_missing_tensorboard_names_the_report_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # makes the import fail
-    with pytest.raises(ImportError, match=r"dynmoe_dist\[report\]"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[report\]'"):
         TensorBoardWriter(tmp_path)
     Telemetry(tmp_path, total_steps=3, rank0=True, progress=False, tensorboard=False).close()  # the way out
 

@@ -216,6 +216,18 @@ def test_waiting_for_another_build_times_out_with_a_clear_error(tmp_path):
                 pass
 
 
+def test_a_short_wait_is_quiet_and_a_long_one_is_announced(tmp_path, capsys, monkeypatch):
+    """The ranks of one job wait for each other's build, often for a second or two (or for a build that
+    fails at once): no 'waiting' line before that error. A long wait says what it waits for."""
+    monkeypatch.delenv("RANK", raising=False)
+    for quiet_s, announced in ((10.0, False), (0.1, True)):
+        with build_lock(tmp_path / "k.lock"):
+            with pytest.raises(TimeoutError):
+                with build_lock(tmp_path / "k.lock", timeout_s=0.5, quiet_s=quiet_s):
+                    pass
+        assert ("waiting for another process" in capsys.readouterr().err) == announced
+
+
 def test_prepare_command_then_training_reuses(model_dir, tmp_path, capsys):
     import subprocess
     import sys

@@ -82,7 +82,7 @@ def check_gguf(p: Path, field: str) -> None:
     except ModuleNotFoundError:
         raise ValueError(
             f"{field} ({str(p)!r}) is a file, read as GGUF, which needs the 'gguf' package: "
-            "pip install 'dynmoe_dist[hf]'"
+            "pip install -e '.[hf]' in the checkout"
         ) from None
     except NoArchitecture:
         raise ValueError(f"{field} ({str(p)!r}) is a GGUF file without general.architecture") from None
