@@ -32,7 +32,7 @@ from hf_tiny import NUM_EXPERTS, randomize, tiny_model  # noqa: E402
 from dynmoe_dist.hf import from_pretrained, import_moe  # noqa: E402
 from dynmoe_dist.models.hf import remote  # noqa: E402
 from dynmoe_dist.models.hf.moe_families import family_of  # noqa: E402
-from dynmoe_dist.models.hf.pretrained import dynmoe_section  # noqa: E402
+from dynmoe_dist.models.hf.pretrained import dynmoe_section, save_exported  # noqa: E402
 from dynmoe_dist.moe.config import MoEConfig  # noqa: E402
 from dynmoe_dist.moe.layer import find_moe_layers  # noqa: E402
 from dynmoe_dist.moe.routing import top_any  # noqa: E402
@@ -223,3 +223,46 @@ def test_an_export_that_would_lie_is_refused():
     native = import_moe(randomize(tiny_model("mixtral", VOCAB)))
     with pytest.raises(ValueError, match=r"router 'native' .* no remote-code export; .*stock_layout.save_stock"):
         dynmoe_section(native, MoEConfig(router="native"))
+
+
+def test_from_pretrained_refuses_moe_blocks_that_are_not_the_sparse_layers(tmp_path):
+    export_case(tmp_path, Case("qwen3_moe"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["dynmoe"]["moe_blocks"] = [0, 1]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"MoE blocks \(\[0, 1\]\) are not the sparse layers of the qwen3_moe model"):
+        from_pretrained(tmp_path)
+
+
+def bf16_deepseek_with_float32_router():
+    """DeepSeek-V3 as transformers loads it in bf16 (gate.weight stays float32, with values bf16 cannot hold),
+    imported with top-any."""
+    model = randomize(tiny_model("deepseek_v3", VOCAB))
+    gates = {name: p.detach().clone() for name, p in model.named_parameters() if name.endswith("mlp.gate.weight")}
+    model.to(torch.bfloat16)
+    for name, weight in gates.items():
+        model.get_submodule(name.removesuffix(".weight")).weight = torch.nn.Parameter(weight)
+    return import_moe(model, MoEConfig(router="top_any")).eval()
+
+
+def test_deepseeks_float32_router_stays_float32_in_a_bf16_export(tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    model = bf16_deepseek_with_float32_router()
+    routers = {name: layer.router.weight for name, layer in find_moe_layers(model)}
+    assert {w.dtype for w in routers.values()} == {torch.float32}  # what import_moe keeps
+    save_exported(model, dynmoe_section(model, MoEConfig(router="top_any")), tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(f"{name}.router.weight").dtype for name in routers} == {torch.float32}
+    ids = sample_ids().tolist()
+    ours = from_pretrained(tmp_path)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    assert ours.model.embed_tokens.weight.dtype == theirs.model.embed_tokens.weight.dtype == torch.bfloat16
+    for loaded in (ours, theirs):
+        got = {name: loaded.get_parameter(f"{name}.router.weight") for name in routers}
+        assert all(
+            torch.equal(got[name], weight) and got[name].dtype == torch.float32 for name, weight in routers.items()
+        )
+    torch.testing.assert_close(logits(ours, ids), logits(model, ids), rtol=0, atol=0)
+    torch.testing.assert_close(logits(theirs, ids), logits(model, ids), rtol=0, atol=0.05)

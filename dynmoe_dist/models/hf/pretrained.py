@@ -342,13 +342,33 @@ def from_pretrained(directory, *, eval_k0: Optional[str] = None, dtype: Optional
     config = read_config(directory)
     section = config["dynmoe"]
     state = load_file(str(directory / "model.safetensors"))
-    dtype = dtype or next(iter(state.values())).dtype
+    dtype = dtype or saved_dtype(config, state)
     model = base_model(directory, config).to(dtype)
     options = dict(section["moe"], **({"eval_k0": eval_k0} if eval_k0 is not None else {}))
     install = install_imported_blocks if is_imported(section["base_model_type"]) else install_moe_blocks
     install(model, MoEConfig(**options), section["moe_blocks"], section["num_experts"])
     load_weights(model, state, str(directory))
-    return model.to(dtype).eval()
+    model.to(dtype).eval()
+    keep_router_precision(model, state)
+    return model
+
+
+def saved_dtype(config: Dict, state: Dict[str, torch.Tensor]) -> torch.dtype:
+    """The model's dtype as the export wrote it in config.json (the weights may mix dtypes: DeepSeek-V3's
+    float32 router in a bf16 model); an export without it (format 1), its first tensor's."""
+    name = config.get("dtype")
+    saved = getattr(torch, name, None) if isinstance(name, str) else None
+    return saved if isinstance(saved, torch.dtype) else next(iter(state.values())).dtype
+
+
+def keep_router_precision(model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
+    """Router rows saved wider than the model's dtype keep their saved values: DeepSeek-V3's float32 router in a
+    bf16 model, which import_moe keeps (as transformers does) and the remote class keeps too. The gate math
+    runs in at least float32 anyway; rounding the rows would move which experts tokens choose."""
+    for name, layer in find_moe_layers(model):
+        saved, weight = state[f"{name}.router.weight"], layer.router.weight
+        if torch.promote_types(saved.dtype, weight.dtype) != weight.dtype:
+            layer.router.weight = nn.Parameter(saved.to(weight.device), requires_grad=weight.requires_grad)
 
 
 def expert_counts(model: nn.Module) -> List[int]:

@@ -123,6 +123,9 @@ class DynMoEOlmoeForCausalLM(OlmoeForCausalLM):
 class DynMoEDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
     config_class = DynMoEDeepseekV3Config
     _can_compile_fullgraph = False  # the rows per expert are data dependent (nonzero)
+    # transformers keeps DeepSeek's router (gate.weight) in float32 in a bf16 / fp16 model, and dynmoe_dist's
+    # import keeps the router rows it starts from so: the gate vectors stay float32 here too
+    _keep_in_fp32_modules_strict = ["e_score_correction_bias", "gate.weight", "moe.router.weight"]
 
     def __init__(self, config: DynMoEDeepseekV3Config):
         super().__init__(config)
