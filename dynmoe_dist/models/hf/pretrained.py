@@ -117,7 +117,6 @@ def install_imported_blocks(
 ) -> None:
     """Import the family model's sparse blocks (which must be ``blocks``) with options ``moe``, then give
     block i ``num_experts[i]`` placeholder experts and router rows: the export's weights fill them next."""
-    import_moe(model, moe)
     family = family_of(model)
     if list(blocks) != family.sparse_layers():
         raise ValueError(
@@ -126,6 +125,7 @@ def install_imported_blocks(
         )
     if len(blocks) != len(num_experts):
         raise ValueError(f"MoE blocks ({list(blocks)}) and expert counts ({list(num_experts)}) differ in length")
+    import_moe(model, moe)
     for (_, layer), count in zip(find_moe_layers(model), num_experts):
         placeholder_experts(layer, count)
 
@@ -362,13 +362,18 @@ def saved_dtype(config: Dict, state: Dict[str, torch.Tensor]) -> torch.dtype:
 
 
 def keep_router_precision(model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
-    """Router rows saved wider than the model's dtype keep their saved values: DeepSeek-V3's float32 router in a
-    bf16 model, which import_moe keeps (as transformers does) and the remote class keeps too. The gate math
-    runs in at least float32 anyway; rounding the rows would move which experts tokens choose."""
+    """A family that routes in float32 (DeepSeek-V3) keeps its router rows in float32 in a bf16 / fp16 model,
+    with the saved values: transformers keeps its gate.weight so, import_moe keeps the rows it copies from it,
+    and the remote class keeps moe.router.weight so (its _keep_in_fp32_modules_strict)."""
+    if not is_imported(cast("PreTrainedModel", model).config.model_type):
+        return
+    if family_of(model).rule().precision != "float32":
+        return
     for name, layer in find_moe_layers(model):
-        saved, weight = state[f"{name}.router.weight"], layer.router.weight
-        if torch.promote_types(saved.dtype, weight.dtype) != weight.dtype:
-            layer.router.weight = nn.Parameter(saved.to(weight.device), requires_grad=weight.requires_grad)
+        weight = layer.router.weight
+        if weight.dtype in (torch.bfloat16, torch.float16):
+            saved = state[f"{name}.router.weight"].to(device=weight.device, dtype=torch.float32)
+            layer.router.weight = nn.Parameter(saved, requires_grad=weight.requires_grad)
 
 
 def expert_counts(model: nn.Module) -> List[int]:
