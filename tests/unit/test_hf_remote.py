@@ -1,15 +1,16 @@
-"""Export format 2: plain transformers loads the directory with trust_remote_code=True and no dynmoe_dist,
-and computes what dynmoe_dist's own model computes (LLaMA, Qwen2, Mistral, GPT-2 bases; float32 and
-float64; eval_k0 'top1' and 'skip'); it refuses the directory without trust_remote_code; generation uses
-the KV cache; dynmoe_dist.hf.from_pretrained reads format 2 and format 1.
+"""Export format 3 of upcycled dense bases: plain transformers loads the directory with trust_remote_code=True
+and no dynmoe_dist, and computes what dynmoe_dist's own model computes (LLaMA, Qwen2, Mistral, GPT-2 bases;
+float32 and float64; eval_k0 'top1' and 'skip'); it refuses the directory without trust_remote_code;
+generation uses the KV cache; dynmoe_dist.hf.from_pretrained reads format 3, and formats 2 and 1 as older
+exports wrote them. Imported MoE families: test_hf_remote_moe.py.
 
 One subprocess (tests/remote_check.py, dynmoe_dist blocked by a meta-path finder) does every plain
-transformers load; this module compares its results with the training code's models.
-"""
+transformers load; this module compares its results with the training code's models."""
 
 import ast
 import json
 import os
+import shutil
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -149,7 +150,7 @@ def test_pipeline_generates_the_training_models_greedy_text(exported, index):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_dynmoe_from_pretrained_reads_format_2(exported, arch):
+def test_dynmoe_from_pretrained_reads_format_3(exported, arch):
     cases, _, ids = exported
     for dtype_name, (_, atol) in DTYPES.items():
         directory, model = cases[case_name(arch, dtype_name, "skip")]
@@ -177,6 +178,24 @@ def as_format_1(directory, out):
     (out / "config.json").write_text(json.dumps({**config, "dynmoe": section}))
     (out / "model.safetensors").write_bytes((directory / "model.safetensors").read_bytes())
     return out
+
+
+def as_format_2(directory, out):
+    """What the format-2 export wrote for a dense base: the same directory, its section without moe.combine."""
+    shutil.copytree(directory, out)
+    config = json.loads((out / "config.json").read_text())
+    config["dynmoe"]["format"] = 2
+    del config["dynmoe"]["moe"]["combine"]
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_dynmoe_from_pretrained_still_reads_format_2(exported, tmp_path):
+    cases, _, ids = exported
+    directory, model = cases[case_name("mistral", "float64", "skip")]
+    loaded = from_pretrained(as_format_2(directory, tmp_path / "v2"))
+    assert [m.config.combine for _, m in find_moe_layers(loaded)] == ["equal", "equal"]
+    torch.testing.assert_close(reference_logits(loaded, ids), reference_logits(model, ids), rtol=0, atol=1e-9)
 
 
 @pytest.mark.parametrize("arch", ("llama", "gpt2"))

@@ -1,4 +1,4 @@
-"""The remote-code modules (models/hf/remote/modeling_dynmoe.py) against dynmoe_dist's MoE math, directly:
+"""The remote-code modules (models/hf/remote/dynmoe_layers.py) against dynmoe_dist's MoE math, directly:
 the routers (masks, weights and gradients, training and eval, both k = 0 rules), and a whole MoE layer
 for every router and both expert kinds, loaded from the training layer's state dict with strict keys."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from hf_tiny import tiny_model
 
-from dynmoe_dist.models.hf.pretrained import base_model_type
-from dynmoe_dist.models.hf.remote import modeling_dynmoe as remote
+from dynmoe_dist.models.hf.pretrained import base_model_type, expert_spec
+from dynmoe_dist.models.hf.remote import dynmoe_layers as remote
 from dynmoe_dist.moe import routing
 from dynmoe_dist.moe.config import MoEConfig
 from dynmoe_dist.moe.layer import MoELayer
@@ -28,14 +28,17 @@ def grads(weights_TE, leaves):
     return torch.autograd.grad((weights_TE * probe_TE).sum(), leaves, allow_unused=True)
 
 
+@pytest.mark.parametrize("combine", ["equal", "softmax"])
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("k0", ["top1", "skip"])
-def test_top_any_equals_the_training_router(training, k0):
+def test_top_any_equals_the_training_router(training, k0, combine):
     x_TD, gate_ED, threshold_E = inputs()
     # the training router reads train_k0 ('zero' / 'top1') in training and eval_k0 ('top1' / 'skip') in eval
     train_k0 = "zero" if k0 == "skip" else "top1"
-    want = routing.top_any(x_TD, gate_ED, threshold_E, training=training, train_k0=train_k0, eval_k0=k0)
-    mask_TE, weights_TE = remote.top_any(x_TD, gate_ED, threshold_E, "top1" if k0 == "top1" else "skip")
+    want = routing.top_any(
+        x_TD, gate_ED, threshold_E, training=training, train_k0=train_k0, eval_k0=k0, combine=combine
+    )
+    mask_TE, weights_TE = remote.top_any(x_TD, gate_ED, threshold_E, "top1" if k0 == "top1" else "skip", combine)
     assert (want.num_selected == 0).any() or k0 == "top1", "some token must select no expert"
     assert torch.equal(mask_TE, want.mask) and torch.equal(weights_TE, want.weights)
     for got, expected in zip(
@@ -70,6 +73,9 @@ def test_top_p_equals_the_training_router(p):
 
 LAYERS = [
     dict(router="top_any", expert_kind="gated", activation="silu", expert_bias=False, threshold_init=0.3),
+    dict(router="top_any", expert_kind="gated", activation="silu", expert_bias=False, combine="softmax"),
+    # gpt-oss's clamp at a limit the rows reach, and an alpha of its own
+    dict(router="top_any", expert_kind="gpt_oss", swiglu_alpha=1.3, swiglu_limit=0.4, combine="softmax"),
     dict(router="top_any", expert_kind="ffn", activation="gelu_tanh", expert_bias=True, eval_k0="skip"),
     dict(router="top_k", expert_kind="ffn", activation="gelu", expert_bias=True, top_k=2),
     dict(router="top_p", expert_kind="gated", activation="relu", expert_bias=True, top_p=0.5),
@@ -84,14 +90,15 @@ def layer_pair(options):
         for p in layer.experts.parameters():
             p.normal_(0, 0.3)
     section_moe = {"router": config.router, "train_k0": config.train_k0, "eval_k0": config.eval_k0}
-    section_moe.update(top_k=config.top_k, top_p=config.top_p)
-    spec = {k: getattr(config, k) for k in ("expert_kind", "activation", "expert_bias", "ffn_dim")}
-    twin = remote.DynMoELayer(E, D, spec, section_moe).double()
+    section_moe.update(top_k=config.top_k, top_p=config.top_p, combine=config.combine)
+    twin = remote.DynMoELayer(E, D, expert_spec(config), section_moe).double()
     twin.load_state_dict(layer.state_dict(), strict=True)  # the same keys, none missing or extra
     return layer, twin
 
 
-@pytest.mark.parametrize("options", LAYERS, ids=lambda o: f"{o['router']}-{o['expert_kind']}")
+@pytest.mark.parametrize(
+    "options", LAYERS, ids=lambda o: f"{o['router']}-{o['expert_kind']}-{o.get('combine', 'equal')}"
+)
 @pytest.mark.parametrize("training", [False, True])
 def test_remote_layer_equals_the_training_layer(options, training):
     layer, twin = layer_pair(options)
@@ -113,7 +120,7 @@ def test_a_bad_section_is_a_one_line_value_error():
     good = {"format": 2, "moe_blocks": [0, 2], "num_experts": [2, 2], "experts": [{}, {}], "moe": {}}
     with pytest.raises(ValueError, match=r"config.dynmoe lacks \['moe'\]: not written by python -m dynmoe_dist"):
         remote.check_section({k: v for k, v in good.items() if k != "moe"}, 3)
-    with pytest.raises(ValueError, match=r"section of format 2, got \{'format': 1"):
+    with pytest.raises(ValueError, match=r"section of format 2 or 3, got \{'format': 1"):
         remote.check_section({**good, "format": 1}, 3)
     with pytest.raises(ValueError, match=r"moe_blocks \(\[0, 2\]\), num_experts \(\[2\]\), experts differ"):
         remote.check_section({**good, "num_experts": [2]}, 3)
@@ -138,3 +145,20 @@ def test_export_config_drops_the_gguf_base_quantization_config():
     saved = exported_config(model, {"base_model_type": "llama"}).to_dict()
     assert "quantization_config" not in saved and saved.get("_name_or_path", "") != "/somewhere/base"
     assert saved["model_type"] == "dynmoe_llama" and saved["num_hidden_layers"] == 1
+
+
+def test_format_3_sections_are_read_and_a_dense_layer_is_no_moe_block():
+    from hf_tiny import tiny_config
+
+    from dynmoe_dist.models.hf.remote import configuration_dynmoe_moe, modeling_dynmoe_moe
+
+    good = {"format": 3, "moe_blocks": [1], "num_experts": [2], "experts": [{}], "moe": {}}
+    assert remote.check_section(good, 3) is good
+    fields = tiny_config("qwen3_moe", 16).to_dict()  # mlp_only_layers = [0]: layer 0 is dense
+    fields = {k: v for k, v in fields.items() if k not in ("model_type", "architectures", "transformers_version")}
+    spec = {"expert_kind": "gated", "activation": "silu", "expert_bias": False, "ffn_dim": 12}
+    section = {**good, "moe_blocks": [0], "experts": [spec], "moe": {"router": "top_any"}}
+    config = configuration_dynmoe_moe.DynMoEQwen3MoeConfig(**fields)
+    config.dynmoe = section
+    with pytest.raises(ValueError, match=r"moe_blocks entry \(0\) is no sparse MoE block \(Qwen3MoeMLP\)"):
+        modeling_dynmoe_moe.DynMoEQwen3MoeForCausalLM(config)

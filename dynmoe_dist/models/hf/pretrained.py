@@ -2,51 +2,71 @@
 
 Shape legend: E experts of a layer (its current count), D model dim.
 
-Directory layout (format 2, what ``python -m dynmoe_dist.export`` writes; docs/hf.md):
+Two kinds of model export here: a dense base (LLaMA, Qwen2, Mistral, GPT-2) upcycled with DynMoE blocks, and
+a transformers MoE model (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, gpt-oss) imported with top-any, top-k or
+top-p routing (models/hf/moe_import.py; one with the family's own routing goes back to the stock layout
+instead: stock_layout.save_stock).
+
+Directory layout (format 3, what ``python -m dynmoe_dist.export`` writes; docs/hf.md):
   config.json        the base model's transformers config with a model type of our own (``dynmoe_llama``,
-                     ``dynmoe_qwen2``, ``dynmoe_mistral``, ``dynmoe_gpt2``), ``architectures`` naming our
+                     ``dynmoe_qwen2_moe``, ...: ``dynmoe_`` + the base's), ``architectures`` naming our
                      class, ``auto_map`` for AutoConfig / AutoModelForCausalLM, and a ``dynmoe`` section:
-                     base model type and class, MoE block indices, expert count and expert shape per
-                     layer, the MoE options (router, eval_k0, ...), each layer's thresholds
-  configuration_dynmoe.py, modeling_dynmoe.py   copied from models/hf/remote/: plain transformers loads
-                     the directory with ``trust_remote_code=True``, without dynmoe_dist, and refuses it
-                     without (no stock class is named that would load it as the dense base model)
-  model.safetensors  the HF model with MoE blocks in place of the upcycled MLPs; one key set per logical
-                     expert, ``...mlp.moe.experts.experts.{id}.w_in`` (ranks, ep size, replicas folded away)
+                     base model type and class, MoE block indices (an imported model's: its sparse layers),
+                     expert count and expert spec per layer, the MoE options (router, eval_k0, combine,
+                     ...), each layer's thresholds
+  *.py               remote.REMOTE_FILES, copied from models/hf/remote/: plain transformers loads the
+                     directory with ``trust_remote_code=True``, without dynmoe_dist, and refuses it without
+                     (no stock class is named that would load it as the base model)
+  model.safetensors  the HF model with MoE blocks in place of the upcycled MLPs or sparse blocks; one key set
+                     per logical expert, ``...mlp.moe.experts.experts.{id}.w_in`` (ranks, ep size, replicas
+                     folded away); shared experts under their stock keys
   tokenizer files    the model's tokenizer; generation_config.json
 ``from_pretrained(DIR)`` returns the HF model (its own output classes, so ``generate()`` works) with
-dynmoe_dist's MoE blocks, in eval mode; its outputs equal the trained model's. It also reads format 1
-(the base's config.json + the section; same weights), which plain transformers would misload.
+dynmoe_dist's MoE blocks, in eval mode; its outputs equal the trained model's. It also reads format 2 (the
+same for dense bases, before imported families and ``moe.combine``) and format 1 (the base's config.json +
+the section; same weights), which plain transformers would misload.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.nn as nn
 
 from ...moe.config import MoEConfig
-from ...moe.layer import find_moe_layers
+from ...moe.experts import new_expert
+from ...moe.layer import MoELayer, NativeRouter, find_moe_layers
 from . import remote
 from .loading import _transformers
+from .moe_families import FAMILIES, family_of
+from .moe_import import import_moe
 from .upcycle import upcycle_hf
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)
+# 3: imported MoE families, gpt_oss experts (swiglu_alpha / swiglu_limit in the expert spec) and moe.combine,
+# which a format-2 reader would misread (it would upcycle a Mixtral, or combine with 1/k)
+FORMAT_VERSION = 3
+READABLE_FORMATS = (1, 2, 3)
 # base model type -> (config class, model class) in models/hf/remote/, the names auto_map points to
 REMOTE_CLASSES = {
     "llama": ("DynMoELlamaConfig", "DynMoELlamaForCausalLM"),
     "qwen2": ("DynMoEQwen2Config", "DynMoEQwen2ForCausalLM"),
     "mistral": ("DynMoEMistralConfig", "DynMoEMistralForCausalLM"),
     "gpt2": ("DynMoEGPT2Config", "DynMoEGPT2LMHeadModel"),
+    "mixtral": ("DynMoEMixtralConfig", "DynMoEMixtralForCausalLM"),
+    "qwen2_moe": ("DynMoEQwen2MoeConfig", "DynMoEQwen2MoeForCausalLM"),
+    "qwen3_moe": ("DynMoEQwen3MoeConfig", "DynMoEQwen3MoeForCausalLM"),
+    "olmoe": ("DynMoEOlmoeConfig", "DynMoEOlmoeForCausalLM"),
+    "deepseek_v3": ("DynMoEDeepseekV3Config", "DynMoEDeepseekV3ForCausalLM"),
+    "gpt_oss": ("DynMoEGptOssConfig", "DynMoEGptOssForCausalLM"),
 }
 # Keys of the base config the export does not carry: ours replace the first five; the export's weights are
 # dense float tensors, so a GGUF base's quantization_config (gguf_file, quant_method) would make
@@ -62,8 +82,21 @@ EXPORT_KEYS = (
     "_name_or_path",
     "_model_name_or_path",
 )
-# Fixed per layer by the export (the shape fields come from the MLP, the count from the checkpoint).
-PER_LAYER_KEYS = ("dim", "ffn_dim", "num_experts", "max_experts", "expert_kind", "activation", "expert_bias")
+# Fixed per layer by the export (the shape fields come from the MLP or the imported checkpoint, the count from
+# the trained model).
+PER_LAYER_KEYS = (
+    "dim",
+    "ffn_dim",
+    "num_experts",
+    "max_experts",
+    "expert_kind",
+    "activation",
+    "expert_bias",
+    "swiglu_alpha",
+    "swiglu_limit",
+)
+# What the remote code reads of the MoE options: every layer must agree with the section on them.
+ROUTING_KEYS = ("router", "train_k0", "eval_k0", "combine", "top_k", "top_p")
 
 
 def install_moe_blocks(model: nn.Module, moe: MoEConfig, blocks: Sequence[int], num_experts: Sequence[int]) -> None:
@@ -77,6 +110,31 @@ def install_moe_blocks(model: nn.Module, moe: MoEConfig, blocks: Sequence[int], 
             moe, num_experts=count, max_experts=max(count, moe.max_experts), min_experts=min(moe.min_experts, count)
         )
         upcycle_hf(model, layer_moe, layers=[block])
+
+
+def install_imported_blocks(
+    model: nn.Module, moe: MoEConfig, blocks: Sequence[int], num_experts: Sequence[int]
+) -> None:
+    """Import the family model's sparse blocks (which must be ``blocks``) with options ``moe``, then give
+    block i ``num_experts[i]`` placeholder experts and router rows: the export's weights fill them next."""
+    family = family_of(model)
+    if list(blocks) != family.sparse_layers():
+        raise ValueError(
+            f"MoE blocks ({list(blocks)}) are not the sparse layers of the {family.name} model "
+            f"({family.sparse_layers()})"
+        )
+    if len(blocks) != len(num_experts):
+        raise ValueError(f"MoE blocks ({list(blocks)}) and expert counts ({list(num_experts)}) differ in length")
+    import_moe(model, moe)
+    for (_, layer), count in zip(find_moe_layers(model), num_experts):
+        placeholder_experts(layer, count)
+
+
+def placeholder_experts(layer: MoELayer, count: int) -> None:
+    """``count`` fresh experts and zero router rows (and thresholds), in the layer's dtypes."""
+    like = next(layer.experts.parameters())
+    layer.router.resize([], layer.router.weight.new_zeros(count, layer.router.weight.shape[1]))
+    layer.experts.set_experts([new_expert(layer.config).to(like) for _ in range(count)])
 
 
 def moe_options(moe: MoEConfig) -> Dict:
@@ -94,18 +152,65 @@ def base_model_type(model: nn.Module) -> str:
     return model_type
 
 
+def is_imported(model_type: str) -> bool:
+    """Whether an export of this base type is an imported MoE family (else an upcycled dense base)."""
+    return model_type in FAMILIES
+
+
 def expert_spec(config: MoEConfig) -> Dict:
     """What the remote code needs to build a layer's experts (the MoE options are shared)."""
-    return {k: getattr(config, k) for k in ("expert_kind", "activation", "expert_bias", "ffn_dim")}
+    spec = {k: getattr(config, k) for k in ("expert_kind", "activation", "expert_bias", "ffn_dim")}
+    if config.expert_kind == "gpt_oss":  # the clamp constants are the checkpoint's, not the run's
+        spec.update(swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit)
+    return spec
 
 
-def dynmoe_section(model: nn.Module, moe: MoEConfig, blocks: Sequence[int], **extra) -> Dict:
-    layers = [layer for _, layer in find_moe_layers(model)]
+def moe_block_indices(model: nn.Module, blocks: Optional[Sequence[int]], num_layers: int) -> List[int]:
+    """The blocks whose MLP is an MoE block: ``blocks`` for an upcycled model, the family's sparse layers
+    for an imported one (``blocks`` may be left out, or must name those)."""
+    chosen = None if blocks is None else sorted(blocks)
+    if is_imported(base_model_type(model)):
+        family = family_of(model)
+        sparse = family.sparse_layers()
+        if chosen is not None and chosen != sparse:
+            raise ValueError(
+                f"blocks ({chosen}) != the sparse layers of the {family.name} model ({sparse}): an imported "
+                "model's MoE blocks are its sparse layers (leave blocks out)"
+            )
+        chosen = sparse
+    elif chosen is None:
+        raise ValueError("blocks: an upcycled model's export needs its MoE block indices (model.moe_layers)")
+    if len(chosen) != num_layers:
+        raise ValueError(f"blocks ({chosen}) name {len(chosen)} MoE blocks, the model has {num_layers} MoE layers")
+    return chosen
+
+
+def check_exportable(layers: Sequence[Tuple[str, MoELayer]], moe: MoEConfig) -> None:
+    """ValueError for a layer the remote code cannot compute as the section says: a family's own routing
+    (that goes back to the stock layout), or routing options other than the section's."""
+    for name, layer in layers:
+        if isinstance(layer.router, NativeRouter):
+            raise ValueError(
+                f"{name}: router 'native' (the family's own routing) has no remote-code export; write the model "
+                "in its stock layout with models.hf.stock_layout.save_stock"
+            )
+        for key in ROUTING_KEYS:
+            have, want = getattr(layer.config, key), getattr(moe, key)
+            if have != want:
+                raise ValueError(f"{name}: {key} ({have!r}) != the exported MoE options' {key} ({want!r})")
+
+
+def dynmoe_section(model: nn.Module, moe: MoEConfig, blocks: Optional[Sequence[int]] = None, **extra) -> Dict:
+    """The ``dynmoe`` section of an export of ``model`` (upcycled: ``blocks`` are its MoE blocks; imported:
+    its sparse layers, ``blocks`` not needed) whose MoE layers were built with options ``moe``."""
+    named = find_moe_layers(model)
+    check_exportable(named, moe)
+    layers = [layer for _, layer in named]
     return {
         "format": FORMAT_VERSION,
         "base_model_type": base_model_type(model),
         "base_architecture": type(model).__name__,
-        "moe_blocks": sorted(blocks),
+        "moe_blocks": moe_block_indices(model, blocks, len(layers)),
         "num_experts": [m.num_experts for m in layers],
         "experts": [expert_spec(m.config) for m in layers],
         "moe": moe_options(moe),
@@ -137,17 +242,24 @@ def unshared(full: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return state
 
 
+def remote_modules(model_type: str) -> Tuple[str, str]:
+    """(configuration module, modeling module) in models/hf/remote/ holding the classes of a base type."""
+    suffix = "_moe" if is_imported(model_type) else ""
+    return f"configuration_dynmoe{suffix}", f"modeling_dynmoe{suffix}"
+
+
 def exported_config(model: nn.Module, section: Dict):
     """The base config as our remote config class: our model type, our class in architectures, auto_map."""
-    from .remote import configuration_dynmoe
-
-    config_name, model_name = REMOTE_CLASSES[section["base_model_type"]]
+    model_type = section["base_model_type"]
+    config_module, model_module = remote_modules(model_type)
+    config_name, model_name = REMOTE_CLASSES[model_type]
+    config_class = getattr(importlib.import_module(f"{remote.__name__}.{config_module}"), config_name)
     base = cast("PreTrainedModel", model).config.to_dict()  # an HF model
-    config = getattr(configuration_dynmoe, config_name)(**{k: v for k, v in base.items() if k not in EXPORT_KEYS})
+    config = config_class(**{k: v for k, v in base.items() if k not in EXPORT_KEYS})
     config.architectures = [model_name]
     config.auto_map = {
-        "AutoConfig": f"configuration_dynmoe.{config_name}",
-        "AutoModelForCausalLM": f"modeling_dynmoe.{model_name}",
+        "AutoConfig": f"{config_module}.{config_name}",
+        "AutoModelForCausalLM": f"{model_module}.{model_name}",
     }
     config.dynmoe = section
     # The weights' dtype, so from_pretrained(dtype='auto') loads a float64 export as float64.
@@ -230,12 +342,38 @@ def from_pretrained(directory, *, eval_k0: Optional[str] = None, dtype: Optional
     config = read_config(directory)
     section = config["dynmoe"]
     state = load_file(str(directory / "model.safetensors"))
-    dtype = dtype or next(iter(state.values())).dtype
+    dtype = dtype or saved_dtype(config, state)
     model = base_model(directory, config).to(dtype)
     options = dict(section["moe"], **({"eval_k0": eval_k0} if eval_k0 is not None else {}))
-    install_moe_blocks(model, MoEConfig(**options), section["moe_blocks"], section["num_experts"])
+    install = install_imported_blocks if is_imported(section["base_model_type"]) else install_moe_blocks
+    install(model, MoEConfig(**options), section["moe_blocks"], section["num_experts"])
     load_weights(model, state, str(directory))
-    return model.to(dtype).eval()
+    model.to(dtype).eval()
+    keep_router_precision(model, state)
+    return model
+
+
+def saved_dtype(config: Dict, state: Dict[str, torch.Tensor]) -> torch.dtype:
+    """The model's dtype as the export wrote it in config.json (the weights may mix dtypes: DeepSeek-V3's
+    float32 router in a bf16 model); an export without it (format 1), its first tensor's."""
+    name = config.get("dtype")
+    saved = getattr(torch, name, None) if isinstance(name, str) else None
+    return saved if isinstance(saved, torch.dtype) else next(iter(state.values())).dtype
+
+
+def keep_router_precision(model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
+    """A family that routes in float32 (DeepSeek-V3) keeps its router rows in float32 in a bf16 / fp16 model,
+    with the saved values: transformers keeps its gate.weight so, import_moe keeps the rows it copies from it,
+    and the remote class keeps moe.router.weight so (its _keep_in_fp32_modules_strict)."""
+    if not is_imported(cast("PreTrainedModel", model).config.model_type):
+        return
+    if family_of(model).rule().precision != "float32":
+        return
+    for name, layer in find_moe_layers(model):
+        weight = layer.router.weight
+        if weight.dtype in (torch.bfloat16, torch.float16):
+            saved = state[f"{name}.router.weight"].to(device=weight.device, dtype=torch.float32)
+            layer.router.weight = nn.Parameter(saved, requires_grad=weight.requires_grad)
 
 
 def expert_counts(model: nn.Module) -> List[int]:
