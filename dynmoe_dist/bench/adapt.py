@@ -157,7 +157,7 @@ def layer_changes(per_rank: List[Dict], index: int) -> List[Dict]:
     loads = per_rank[0]["rank_load"]
     before, after = loads[max(0, step + 1 - LOAD_STEPS) : step + 1], loads[step + 1 : step + 1 + LOAD_STEPS]
     changes = []
-    for rec in event["records"]:
+    for rec in (r for r in event["records"] if r["kind"] == "event"):  # the window's summary aside
         layer = rec["layer"]
         changes.append(
             {

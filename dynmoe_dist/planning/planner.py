@@ -79,6 +79,8 @@ class LayerPlan:
     imbalance_unmoved: Optional[float] = None
     """Planned: the same with no expert moved (kept experts where they were, new ones on the least loaded
     ranks): the plan moves experts only if that beats this by adaptive.min_rebalance_gain."""
+    dead: Tuple[int, ...] = ()
+    """Old ids of the experts no token chose in the window (top-any removes them, down to min_experts)."""
 
     @property
     def num_experts(self) -> int:
@@ -164,6 +166,7 @@ def plan_layer(
         imbalance(rank_loads(placement, counts)),
         after,
         unmoved_imbalance,
+        tuple(e for e, c in enumerate(counts) if c == 0),
     )
 
 

@@ -87,10 +87,23 @@ class AdaptiveController:
 
     # -- application ---------------------------------------------------------------------------------
     def apply(self, plan: Plan) -> List[Dict]:
+        """Apply the plan; its records: the window's summary, then an event per layer that changed."""
+        blocks = block_labels([shard.name for shard in self.experts.shards])  # before the plan replaces them
         changed = self.experts.apply_plan(plan)
         self.recorders.end_window()
         self.version = plan.version
-        return [self.event_record(plan, lp) for lp in changed]
+        return [self.window_record(plan, blocks)] + [self.event_record(plan, lp) for lp in changed]
+
+    def window_record(self, plan: Plan, blocks: List[int]) -> Dict:
+        """What the window saw in every layer, changed or not: the experts no token chose ("dead")."""
+        return {
+            "kind": "window",
+            "step": plan.step,
+            "epoch": plan.step / self.steps_per_epoch,
+            "blocks": blocks,
+            "dead_experts": [list(lp.dead) for lp in plan.layers],
+            "num_experts_before": [len(lp.kept) + len(lp.removed) for lp in plan.layers],
+        }
 
     # -- checkpointed state --------------------------------------------------------------------------
     def state_dict(self) -> Dict:

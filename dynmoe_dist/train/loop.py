@@ -25,7 +25,19 @@ from .checkpoint_parts import DenseFiles, ExpertFiles
 from .data import BatchSchedule, eval_ranges, shard
 from .optim import set_lr
 from .parts import DTYPES, TrainParts, build_parts
-from .recorder import Recorders
+from .recorder import K_BINS, Recorders, health
+
+# What a step record holds per MoE layer (lists in layer order; telemetry checks their lengths).
+LAYER_METRICS = (
+    "num_experts",
+    "mean_k",
+    "expert_load",
+    "rank_load",
+    "num_replicas",
+    "expert_utilization",
+    "load_cv",
+    "k_histogram",
+)
 
 
 class StepTotals:
@@ -173,27 +185,28 @@ class Trainer:
         return record
 
     def _layer_metrics(self, flat: List[float], seconds: float, items: float) -> Dict:
-        num_experts, mean_k, loads, rank_loads, replicas = [], [], [], [], []
+        """Per MoE layer, from the recorders' summed step vectors (tokens, k sum, counts, k histogram)."""
+        per_layer: Dict[str, List] = {key: [] for key in LAYER_METRICS}
         offset, tokens = 0, items
         for index, shard_ in enumerate(self.parts.experts.shards):
-            layer = shard_.layer
-            e = layer.num_experts
-            layer_tokens, k_sum, counts = flat[offset], flat[offset + 1], flat[offset + 2 : offset + 2 + e]
-            offset += 2 + e
+            e = shard_.layer.num_experts
+            layer_tokens, k_sum = flat[offset], flat[offset + 1]
+            counts, k_hist = flat[offset + 2 : offset + 2 + e], flat[offset + 2 + e : offset + 2 + e + K_BINS]
+            offset += 2 + e + K_BINS
             tokens = layer_tokens if index == 0 else tokens
-            num_experts.append(e)
-            mean_k.append(k_sum / max(layer_tokens, 1))
-            loads.append([int(c) for c in counts])
-            rank_loads.append(rank_loads_of(shard_.placement, counts))
-            replicas.append(shard_.placement.num_slots - e)
-        return {
-            "tokens_per_s": tokens / seconds,
-            "num_experts": num_experts,
-            "mean_k": mean_k,
-            "expert_load": loads,
-            "rank_load": rank_loads,
-            "num_replicas": replicas,
-        }
+            layer_health = health(counts, layer_tokens)
+            for key, value in (
+                ("num_experts", e),
+                ("mean_k", k_sum / max(layer_tokens, 1)),
+                ("expert_load", [int(c) for c in counts]),
+                ("rank_load", rank_loads_of(shard_.placement, counts)),
+                ("num_replicas", shard_.placement.num_slots - e),
+                ("expert_utilization", layer_health["utilization"]),
+                ("load_cv", layer_health["load_cv"]),
+                ("k_histogram", [int(c) for c in k_hist]),
+            ):
+                per_layer[key].append(value)
+        return {"tokens_per_s": tokens / seconds, **per_layer}
 
     # -- checkpointed state ------------------------------------------------------------------------
     def state_dict(self) -> Dict:

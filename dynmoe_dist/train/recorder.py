@@ -1,11 +1,12 @@
 """Routing observers: per-step counts for telemetry, and window statistics for adaptive experts.
 
-Shape legend: T tokens, E experts of the layer.
+Shape legend: T tokens, E experts of the layer, K bins of the k histogram (k = 0 .. K - 2, and K - 1 or more).
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional
+import math
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -14,6 +15,9 @@ from ..moe.layer import MoELayer
 from ..moe.routing import Routing
 from ..parallel.groups import ParallelGroups, sum_over_ranks
 from ..planning.stats import WindowStats
+
+K_BINS = 9
+"""Bins of the per-step k histogram: tokens that chose 0, 1, ..., 7 experts, and 8 or more."""
 
 
 class LayerRecorder:
@@ -28,6 +32,7 @@ class LayerRecorder:
         self.tokens = 0
         self.k_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.counts_E = torch.zeros(self.layer.num_experts, dtype=torch.float64, device=device)
+        self.k_hist_K = torch.zeros(K_BINS, dtype=torch.float64, device=device)
 
     def start_window(self) -> None:
         cfg = self.layer.config
@@ -43,6 +48,9 @@ class LayerRecorder:
         self.tokens += mask_TE.shape[0]
         self.k_sum += routing.num_selected.sum()
         self.counts_E += mask_TE.sum(dim=0)
+        # index_add, not bincount: bincount reads the largest value back to size its output (a host sync)
+        k_T = routing.num_selected.clamp(max=K_BINS - 1)
+        self.k_hist_K.index_add_(0, k_T, torch.ones_like(k_T, dtype=self.k_hist_K.dtype))
         if self.window is not None:
             # The window counts selections before any k = 0 fallback: gates > 0.
             assert routing.probs is not None, "top-any routing carries its gate scores"
@@ -50,7 +58,16 @@ class LayerRecorder:
 
     def step_vector(self) -> Tensor:
         head = torch.stack([self.k_sum.new_tensor(float(self.tokens)), self.k_sum])
-        return torch.cat([head, self.counts_E]).cpu()  # NOTE: device-to-host sync, once per step
+        return torch.cat([head, self.counts_E, self.k_hist_K]).cpu()  # NOTE: device-to-host sync, once per step
+
+
+def health(counts: Sequence[float], num_tokens: float) -> Dict[str, object]:
+    """One layer's step health from its expert counts: each expert's utilisation (share of the step's tokens
+    routed to it) and the load's coefficient of variation (population std / mean over experts; 0 is a
+    perfectly even load)."""
+    mean = sum(counts) / max(len(counts), 1)
+    std = math.sqrt(sum((c - mean) ** 2 for c in counts) / max(len(counts), 1))
+    return {"utilization": [c / max(num_tokens, 1) for c in counts], "load_cv": std / mean if mean > 0 else 0.0}
 
 
 class Recorders:

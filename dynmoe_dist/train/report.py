@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .report_health import HealthSeries, draw_health, health_series
 from .telemetry import METRICS_FILE, read_metrics
 
 EVENT_CHANGES = ("removed", "added", "replicated")
@@ -53,6 +54,8 @@ class ReportSeries:
     final: Optional[Dict[str, Any]] = None
     blocks: List[int] = field(default_factory=list)
     """The model block of each MoE layer (step records' ``blocks``); empty for runs logged before it."""
+    health: Optional[HealthSeries] = None
+    """The MoE health panels' arrays (train/report_health.py)."""
 
     def layer_label(self, layer: int) -> str:
         """'block 4': the model's own numbering (model.moe_layers); 'MoE layer 0' for older runs."""
@@ -160,6 +163,7 @@ def report_series(records: Sequence[Dict[str, Any]]) -> ReportSeries:
         events=_event_marks([r for r in records if r["kind"] == "event"]),
         final=finals[-1] if finals else None,
         blocks=list(steps[-1].get("blocks") or []),
+        health=health_series(records, _num_layers(steps)),
     )
 
 
@@ -408,7 +412,7 @@ def draw_series(series: ReportSeries, out_png: str | Path, title: str, max_bins:
     """Draw the report figure of ``series`` to ``out_png``."""
     Figure, FigureCanvasAgg = matplotlib_canvas()
     num_layers = len(series.layers)
-    num_rows = 1 + (2 + num_layers if num_layers else 0)
+    num_rows = 1 + (4 + num_layers if num_layers else 0)
     fig = Figure(figsize=(15, 3.4 * num_rows + 0.8), layout="constrained")
     FigureCanvasAgg(fig)
     grid = fig.add_gridspec(num_rows, 2)
@@ -439,8 +443,18 @@ def _draw_moe_panels(fig, grid, loss_ax, series: ReportSeries, max_bins: int) ->
     )
     _draw_per_layer(axes[2], series, "num_replicas_S", "Extra replicas per MoE layer", "replicas", steps_drawstyle=True)
     _draw_rank_imbalance(axes[3], series)
+    if series.health is not None:  # MoE health: two rows, the first two panels over training steps
+        health_axes = [
+            fig.add_subplot(grid[3, 0], sharex=loss_ax),
+            fig.add_subplot(grid[3, 1]),
+            fig.add_subplot(grid[4, 0]),
+            fig.add_subplot(grid[4, 1]),
+        ]
+        labels = [series.layer_label(i) for i in range(len(series.layers))]
+        draw_health(health_axes, series.health, labels, lambda i: _layer_colour(i, len(series.layers)))
+        axes.append(health_axes[0])
     for layer in range(len(series.layers)):
-        ax = fig.add_subplot(grid[3 + layer, :], sharex=loss_ax)
+        ax = fig.add_subplot(grid[5 + layer, :], sharex=loss_ax)
         _draw_heatmap(fig, ax, series, layer, max_bins)
         axes.append(ax)
     return axes

@@ -28,8 +28,18 @@ from typing import Any, Dict, List, Optional
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
-RECORD_KINDS = ("step", "eval", "event", "final", "calibration")
-PER_LAYER_LISTS = ("num_experts", "mean_k", "num_replicas", "expert_load", "rank_load", "blocks")
+RECORD_KINDS = ("step", "eval", "event", "window", "final", "calibration")
+PER_LAYER_LISTS = (
+    "num_experts",
+    "mean_k",
+    "num_replicas",
+    "expert_load",
+    "rank_load",
+    "blocks",
+    "expert_utilization",
+    "load_cv",
+    "k_histogram",
+)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -273,6 +283,16 @@ def describe_imbalance(record: Dict[str, Any]) -> str:
     return text + (f" -> {planned:.2f} by the moves" if record.get("moves") else "")
 
 
+def describe_window(record: Dict[str, Any]) -> str:
+    """'step 60 window: no token chose block 4 experts [3, 5]; block 5: every expert used'."""
+    names = record.get("blocks") or list(range(len(record["dead_experts"])))
+    parts = [
+        f"block {name}: {'every expert used' if not dead else f'no token chose experts {dead}'}"
+        for name, dead in zip(names, record["dead_experts"])
+    ]
+    return f"step {record['step']} window: " + "; ".join(parts)
+
+
 def describe_scores(record: Dict[str, Any]) -> str:
     """'eval step 20: test_loss 1.1000, test_accuracy 0.6100' for eval and final records."""
     scores = ", ".join(f"{k} {v:.4f}" for k, v in record.items() if _is_number(v) and k not in ("step", "epoch"))
@@ -379,6 +399,8 @@ class Telemetry:
             self.progress.update(record)
         elif record["kind"] == "event":
             self.progress.write(describe_event(record))
+        elif record["kind"] == "window":
+            self.progress.write(describe_window(record))
         else:
             self.progress.write(describe_scores(record))
 

@@ -61,7 +61,7 @@ def adaptive_run(dense, experts, ep_size, extra=()):
         record, new = step_once(trainer, adaptive)
         losses.append(record["loss"])
         counts.append(record["num_experts"])
-        events += [e for e in new if e["removed"] or e["added"] or e["replicas"]]
+        events += [e for e in new if e["kind"] == "event" and (e["removed"] or e["added"] or e["replicas"])]
     dense = [p for _, p in dense_named_parameters(trainer.model, trainer.parts.experts.shards) if is_sharded(p)]
     dense_local, dense_total = sum(local(p).numel() for p in dense), sum(p.numel() for p in dense)
     return dict(losses=losses, counts=counts, events=len(events), dense_local=dense_local, dense_total=dense_total)

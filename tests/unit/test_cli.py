@@ -42,7 +42,12 @@ def test_help_lists_every_registered_task_model_source_and_path_form(monkeypatch
     for name, copy in copies.items():
         monkeypatch.setattr(tasks_base, name, copy)
         monkeypatch.setattr(tasks, name, copy)
-    tasks.register("added-later", summary="a task registered after the help was written", path_forms="TEXT")(None)
+    tasks.register(
+        "added-later",
+        model_kind="token-classifier",
+        summary="a task registered after the help was written",
+        path_forms="TEXT",
+    )(None)
     text = parser().format_help()
     names = _help_block(text, "task.name")
     for name, spec in tasks.all_task_specs().items():

@@ -36,14 +36,27 @@ def step_record(step, num_experts, expert_load, rank_load=None, **scalars):
     }
 
 
-def fake_run(num_steps, num_layers, evals=True, events=True):
-    """A small run: every layer loses its last expert at step num_steps // 2 (an event)."""
+def fake_run(num_steps, num_layers, evals=True, events=True, health=False):
+    """A small run: every layer loses its last expert at step num_steps // 2 (an event); with ``health``
+    the step records carry the MoE health metrics and the event its window's summary."""
     records = []
     for step in range(1, num_steps + 1):
         num_experts = [4 if step <= num_steps // 2 or not events else 3] * num_layers
         loads = [[step % 3 + e for e in range(n)] for n in num_experts]
-        records.append(step_record(step, num_experts, loads, loss=1.0 / step, accuracy=step / num_steps))
+        extra = {}
+        if health:
+            extra = {
+                "load_cv": [0.5 / step] * num_layers,
+                "k_histogram": [[1, 2, 3, 0, 0, 0, 0, 0, 0]] * num_layers,
+                "expert_utilization": [[c / 10 for c in load] for load in loads],
+            }
+        records.append(step_record(step, num_experts, loads, loss=1.0 / step, accuracy=step / num_steps, **extra))
         if events and step == num_steps // 2:
+            if health:
+                dead = [[3]] * num_layers
+                records.append(
+                    {"kind": "window", "step": step, "dead_experts": dead, "blocks": list(range(num_layers))}
+                )
             records += [
                 {"kind": "event", "step": step, "layer": layer, "removed": [3], "added": [], "replicas": {}}
                 for layer in range(num_layers)
@@ -175,6 +188,7 @@ def test_smoothing_edges_and_binning():
     "records",
     [
         pytest.param(fake_run(40, 2), id="two-layers-binned"),
+        pytest.param(fake_run(40, 2, health=True), id="moe-health"),
         pytest.param(fake_run(1, 1, evals=False, events=False), id="single-step"),
         pytest.param(fake_run(12, 0, evals=False, events=False), id="no-moe-no-eval-no-events"),
     ],
@@ -259,3 +273,25 @@ def test_progress_postfix():
     record = {"loss": 1.23, "accuracy": 0.5, "tokens_per_s": 1234.0, "mean_k": [2.1, 1.9], "num_experts": [8, 7]}
     assert progress_postfix(record) == "loss 1.230 acc 0.500 tok/s 1.2k k 2.00 experts 8/7"
     assert progress_postfix({"loss": 0.5, "mean_k": [], "num_experts": []}) == "loss 0.500"
+
+
+def test_health_series_from_hand_made_records():
+    from dynmoe_dist.train.report_health import health_series
+
+    records = fake_run(20, 2, evals=False, health=True)  # window at step 10: expert 3 dead in both layers
+    health = health_series(records, 2)
+    np.testing.assert_allclose(health.load_cv_LS[0], [0.5 / s for s in range(1, 21)])
+    np.testing.assert_array_equal(health.window_steps_W, [10])
+    np.testing.assert_array_equal(health.dead_LW, [[1], [1]])
+    np.testing.assert_allclose(health.k_share_LK[1], [1 / 6, 2 / 6, 3 / 6] + [0] * 6)  # the last 2 steps' sum
+    # utilisation: the last 2 steps (19, 20) with 3 experts: loads (19 % 3 + e) and (20 % 3 + e) over 10 tokens
+    np.testing.assert_allclose(health.utilization[0], [(1 + 2) / 20, (2 + 3) / 20, (3 + 4) / 20])
+
+
+def test_step_health_of_hand_made_counts():
+    from dynmoe_dist.train.recorder import health
+
+    # counts 2, 4, 6 of 6 tokens: mean 4, population std sqrt(8/3), cv 0.408
+    got = health([2.0, 4.0, 6.0], 6)
+    assert got["utilization"] == [2 / 6, 4 / 6, 1.0] and got["load_cv"] == pytest.approx(math.sqrt(8 / 3) / 4)
+    assert health([0.0, 0.0], 0)["load_cv"] == 0.0  # no token: an even (empty) load
