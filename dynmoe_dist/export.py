@@ -6,7 +6,7 @@ the world size, ep size, replicas and FSDP sharding were. The export builds the 
 builder the trainer used (models/build.py, from the checkpoint's [model] and [moe]), sets each MoE layer to
 the checkpoint's expert count and experts, fills every dense parameter by its name (the dense state is a
 torch.distributed.checkpoint directory read into full tensors on this one process, no process group),
-and writes the transformers model inside with models/hf/pretrained.py (format 2: plain transformers loads
+and writes the transformers model inside with models/hf/pretrained.py (format 3: plain transformers loads
 it with ``trust_remote_code=True``; docs/hf.md); ``dynmoe_dist.hf.from_pretrained`` reads it back. An
 imported transformers MoE trained with its own routing (moe.router = 'native') is written back in its
 stock format instead (models/hf/stock_layout.py): same model_type, the fused layout of the files, the
