@@ -161,6 +161,29 @@ def save_moe_checkpoint(family, directory, num_experts=None, **overrides):
     return directory, vocab
 
 
+def moe_run_settings(model_dir, text_file, world, *extra, steps=6, batch=6):
+    """A float64 causal-LM run of an imported MoE checkpoint, expert parallel over the whole world (ep =
+    world), an adaptive event every 3 steps, no progress bar or report: --set overrides, ``extra`` last."""
+    return [
+        "task.name='causal-lm'",
+        f"task.path='{text_file}'",
+        "task.max_len=8",
+        "model.source='hf'",
+        f"model.path='{model_dir}'",
+        "train.precision='float64'",
+        f"train.max_steps={steps}",
+        f"train.global_batch_size={batch}",
+        "train.lr=0.01",
+        "train.warmup_steps=1",
+        "adaptive.period_steps=3",
+        f"parallel.ep_size={world}",
+        "output.progress=false",
+        "output.tensorboard=false",
+        "output.report=false",
+        *extra,
+    ]
+
+
 def save_tiny(family, directory, vocab_size=64, **overrides):
     """Write the tiny model with save_pretrained (config.json + model.safetensors); returns the directory."""
     tiny_model(family, vocab_size, **overrides).save_pretrained(directory)

@@ -29,7 +29,7 @@ from typing import Callable, Dict, Iterable, List, Protocol, Tuple
 import torch.nn as nn
 
 from ..moe.config import MoEConfig
-from .transformer import CausalLM, EncoderClassifier, ViTClassifier
+from .transformer import CausalLM, EncoderClassifier, ModelShape, ViTClassifier
 
 MODEL_KINDS = ("token-classifier", "image-classifier", "minilm-classifier", "causal-lm")
 
@@ -65,18 +65,12 @@ class TaskNeeds(Protocol):
         ...
 
 
-class ModelSection(Protocol):
-    """The fields of the run's [model] section (config.ModelConfig) the builder reads."""
+class ModelSection(ModelShape, Protocol):
+    """The fields of the run's [model] section (config.ModelConfig) the builder reads: the built models'
+    shape and where a pre-trained model comes from, and what to freeze."""
 
     source: str
     path: str
-    dim: int
-    num_heads: int
-    num_layers: int
-    ffn_dim: int
-    dropout: float
-    moe_layers: List[int]
-    patch_size: int
     freeze: List[str]
 
 

@@ -9,32 +9,14 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from hf_tiny import corpus_lines, save_moe_checkpoint  # noqa: E402
+from hf_tiny import corpus_lines, moe_run_settings, save_moe_checkpoint  # noqa: E402
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.parallel.simulate import run_simulated  # noqa: E402
 
 
 def settings(root, out_dir, world, *extra):
-    return [
-        "task.name='causal-lm'",
-        f"task.path='{root}/corpus.txt'",
-        "task.max_len=8",
-        "model.source='hf'",
-        f"model.path='{root}/model'",
-        "train.precision='float64'",
-        "train.max_steps=6",
-        "train.global_batch_size=6",
-        "train.lr=0.01",
-        "train.warmup_steps=1",
-        "adaptive.period_steps=3",
-        f"parallel.ep_size={world}",
-        f"output.out_dir='{out_dir}'",
-        "output.progress=false",
-        "output.tensorboard=false",
-        "output.report=false",
-        *extra,
-    ]
+    return moe_run_settings(root / "model", root / "corpus.txt", world, f"output.out_dir='{out_dir}'", *extra)
 
 
 def train(root, out_dir, world, *extra):

@@ -12,7 +12,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
-from hf_tiny import corpus_lines, save_moe_checkpoint, train_recorded  # noqa: E402
+from hf_tiny import corpus_lines, moe_run_settings, save_moe_checkpoint, train_recorded  # noqa: E402
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.parallel.simulate import run_simulated  # noqa: E402
@@ -26,24 +26,7 @@ ALL = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 
 
 def settings(root, family, world, *extra):
-    return [
-        "task.name='causal-lm'",
-        f"task.path='{root}/corpus.txt'",
-        "task.max_len=8",
-        "model.source='hf'",
-        f"model.path='{root}/{family}'",
-        "train.precision='float64'",
-        f"train.max_steps={STEPS}",
-        "train.global_batch_size=7",
-        "train.lr=0.01",
-        "train.warmup_steps=1",
-        "adaptive.period_steps=3",
-        f"parallel.ep_size={world}",
-        "output.progress=false",
-        "output.tensorboard=false",
-        "output.report=false",
-        *extra,
-    ]
+    return moe_run_settings(root / family, root / "corpus.txt", world, *extra, steps=STEPS, batch=7)
 
 
 # (case name, family, extra settings)
