@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 # option -> smallest value (two new tokens: the decode time is a difference of two generations)
 MINIMUMS = {"prompt_tokens": 1, "new_tokens": 2, "batch": 1, "repeats": 1, "threads": 1}
 REEXPORT = "re-export with: python -m dynmoe_dist.export CHECKPOINT --out DIR"
+REMOTE_FORMATS = (2, 3)
+"""Export formats whose remote code this transformers loads (models/hf/remote reads both)."""
 
 
 def check(args: argparse.Namespace) -> None:
@@ -43,10 +45,14 @@ def check(args: argparse.Namespace) -> None:
     config_file = Path(args.model) / "config.json"
     if not config_file.is_file():
         raise ValueError(f"--model ({args.model!r}) has no config.json: expected an exported directory")
-    section = json.loads(config_file.read_text()).get("dynmoe")
-    if not isinstance(section, dict) or section.get("format") != 2:
+    raw = json.loads(config_file.read_text())
+    if "dynmoe" not in raw:
+        return  # a stock directory (an imported MoE exported with its own routing): --base is optional
+    section = raw["dynmoe"]
+    if not isinstance(section, dict) or section.get("format") not in REMOTE_FORMATS:
         raise ValueError(
-            f"--model ({args.model!r}) is no format-2 export (plain transformers cannot load it); {REEXPORT}"
+            f"--model ({args.model!r}) is no format-{' or '.join(map(str, REMOTE_FORMATS))} export (plain "
+            f"transformers cannot load it); {REEXPORT}"
         )
     if args.base is None:
         args.base = section.get("base_model")
@@ -55,8 +61,10 @@ def check(args: argparse.Namespace) -> None:
 
 
 def load_export(directory: str) -> nn.Module:
+    """The export as plain transformers loads it: remote code for a DynMoE export, the stock class otherwise."""
     tf = _transformers()
-    return tf.AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, local_files_only=True).eval()
+    remote = "dynmoe" in json.loads((Path(directory) / "config.json").read_text())
+    return tf.AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=remote, local_files_only=True).eval()
 
 
 def vocab_size(model: nn.Module) -> int:
@@ -92,9 +100,10 @@ def summarize(runs: Dict[str, List[Dict[str, float]]]) -> Dict:
             "per_token_ms_min": round(1e3 * min(t["per_token_s"] for t in times), 3),
         }
     cases = out["cases"]
-    out["moe_over_dense_per_token"] = round(
-        cases["moe"]["per_token_ms_median"] / cases["dense"]["per_token_ms_median"], 3
-    )
+    if "dense" in cases:
+        out["moe_over_dense_per_token"] = round(
+            cases["moe"]["per_token_ms_median"] / cases["dense"]["per_token_ms_median"], 3
+        )
     return out
 
 
@@ -115,10 +124,11 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     moe = load_export(args.model)
     dtype = next(moe.parameters()).dtype
-    dense = load_model(args.base, "causal-lm", field="--base").to(dtype).eval()
-    vocab = min(vocab_size(moe), vocab_size(dense))
+    models = {"moe": moe}
+    if args.base is not None:  # "dense": the base the export started from (for an imported MoE, an MoE too)
+        models = {"dense": load_model(args.base, "causal-lm", field="--base").to(dtype).eval(), "moe": moe}
+    vocab = min(vocab_size(model) for model in models.values())
     prompt_BL = torch.randint(0, vocab, (args.batch, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
-    models = {"dense": dense, "moe": moe}
     runs: Dict[str, List[Dict[str, float]]] = {name: [] for name in models}
     for model in models.values():  # warm-up: first calls pay for allocations and lazy imports
         generation_times(model, prompt_BL, 2)

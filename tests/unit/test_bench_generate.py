@@ -40,7 +40,9 @@ def test_bad_options_are_one_line_value_errors(tmp_path):
     with pytest.raises(ValueError, match=r"--model \('.*'\) has no config.json"):
         check(options(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "dynmoe": {"format": 1}}))
-    with pytest.raises(ValueError, match=r"no format-2 export .* python -m dynmoe_dist.export CHECKPOINT --out DIR"):
+    with pytest.raises(
+        ValueError, match=r"no format-2 or 3 export .* python -m dynmoe_dist.export CHECKPOINT --out DIR"
+    ):
         check(options(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"dynmoe": {"format": 2}}))
     with pytest.raises(ValueError, match=r"--base is needed: .* records no dynmoe.base_model"):
@@ -49,6 +51,10 @@ def test_bad_options_are_one_line_value_errors(tmp_path):
     args = options(tmp_path)
     check(args)
     assert args.base == "/models/base"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))  # a stock export: no base needed
+    args = options(tmp_path)
+    check(args)
+    assert args.base is None
 
 
 def test_tiny_run_prints_json(tmp_path):
