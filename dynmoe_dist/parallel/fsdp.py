@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.optim import Optimizer
 
 from ..moe.experts import expert_with
@@ -180,3 +180,23 @@ def local(t: Tensor) -> Tensor:
 
 def is_sharded(p: Tensor) -> bool:
     return isinstance(p, DTensor)
+
+
+def local_rows(p: DTensor) -> tuple[int, int]:
+    """[start, stop) of the rows of the full tensor that this rank's FSDP shard of ``p`` holds: FSDP2 cuts
+    dim 0 over a 1-D mesh as torch.chunk does (rank r: rows from r * ceil(N / W))."""
+    assert p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(0),), f"unexpected sharding {p.placements}"
+    size, index, rows = p.device_mesh.size(), p.device_mesh.get_local_rank(), p.shape[0]
+    chunk = -(-rows // size)
+    start = min(index * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
+def fill_local(p: Tensor, read: Callable[[int, int], Tensor]) -> None:
+    """Fill ``p`` with ``read(start, stop)``, the rows [start, stop) of the full tensor it stands for: all of
+    them for a plain tensor, only this rank's for an FSDP shard (what a loader reads from a file)."""
+    if isinstance(p, DTensor):
+        start, stop = local_rows(p)
+        p.to_local().copy_(read(start, stop))
+    else:
+        p.copy_(read(0, p.shape[0]))

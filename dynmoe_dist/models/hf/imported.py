@@ -74,9 +74,6 @@ class ImportedCheckpoint:
     def rows(self, name: str, start: int, stop: int) -> Tensor:
         return self.reader.rows(self.key(name), start, stop)
 
-    def tensor(self, name: str) -> Tensor:
-        return self.reader.tensor(self.key(name))
-
     def initial(self, name: str) -> Optional[float]:
         """The value a tensor the checkpoint does not hold starts with (None: it is read)."""
         return self.new_tensors.get(name)
