@@ -623,7 +623,7 @@ def imported_moe_defaults(data: Dict[str, Any]) -> None:
     if found is None:
         return
     where = f"model.path ({str(model['path'])!r}) is a {found.model_type} with {found.num_experts} experts per layer"
-    if "num_experts" in moe:
+    if "num_experts" in moe and moe["num_experts"] != found.num_experts:  # equal: a printed config read back
         raise ValueError(f"moe.num_experts ({moe['num_experts']!r}) cannot be set: {where}")
     calibrate_k = moe.get("calibrate_k", 0)
     if isinstance(calibrate_k, int) and calibrate_k > found.num_experts:

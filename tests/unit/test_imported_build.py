@@ -72,6 +72,7 @@ def test_options_the_import_decides_are_refused_by_name(tmp_path, text_file_here
     directory, _ = save_moe_checkpoint("qwen3_moe", tmp_path / "q")
     with pytest.raises(ValueError, match=r"^moe.num_experts \(4\) cannot be set: model.path \('.*'\) is a qwen3_moe"):
         load_config(None, run_settings(directory, text_file_here, "moe.num_experts=4"))
+    assert load_config(None, run_settings(directory, text_file_here, "moe.num_experts=6")).moe.num_experts == 6
     with pytest.raises(ValueError, match=r"^moe.calibrate_k \(7\) > the 6 experts: model.path"):
         load_config(None, run_settings(directory, text_file_here, "moe.router='top_any'", "moe.calibrate_k=7"))
     with pytest.raises(ValueError, match=r"^model.moe_layers \(\[0\]\) != the MoE blocks \[1, 2\]"):
@@ -99,3 +100,12 @@ def test_a_checkpoint_that_disagrees_with_its_config_fails_while_the_model_is_bu
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"model.safetensors: {key} has shape \(16, 15\), the model's is \(16, 16\)"):
         build_model(config.model, config.moe, ModelNeeds("causal-lm", vocab))
+
+
+def test_a_printed_config_reads_back(tmp_path, text_file_here):
+    """--print-config writes every option, the ones the import filled in included: reading it back works."""
+    directory, _ = save_moe_checkpoint("qwen2_moe", tmp_path / "q")
+    config = load_config(None, run_settings(directory, text_file_here, "moe.router='top_any'"))
+    (tmp_path / "run.toml").write_text(config.to_toml())
+    again = load_config(str(tmp_path / "run.toml"))
+    assert again.digest() == config.digest()
