@@ -15,6 +15,7 @@ BENCHMARKS = {
     "checkpoint": "dynmoe_dist.bench.checkpoint",
     "data": "dynmoe_dist.bench.data",
     "import": "dynmoe_dist.bench.import_load",
+    "hf-moe": "dynmoe_dist.bench.hf_moe",
 }
 
 
