@@ -3,8 +3,8 @@ imported transformers MoE against the same checkpoint trained the plain transfor
 
 The checkpoint is a Qwen3-MoE written by bench/moe_checkpoint.py (4 layers of 16 experts, top-2, hidden 256,
 moe_intermediate_size 768, vocabulary 4096, 4 heads with 2 key/value heads; float32; random weights, norms
-1): the experts' matmuls are about three quarters of a step's FLOPs. The global batch is --batch sequences of
---seq-len random tokens, the same for both.
+1): the experts' matmuls are about 70 % of a step's FLOPs (the LM head 15 %). The global batch is --batch
+sequences of --seq-len random tokens, the same for both.
 
   transformers  one process, 2 torch threads: ``AutoModelForCausalLM.from_pretrained`` (its default experts
                 implementation, torch._grouped_mm on CPU), ``torch.optim.AdamW`` over every parameter, its
