@@ -27,7 +27,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple, cast
 
 import torch
 
@@ -85,13 +85,12 @@ def held_bytes(parts) -> Tuple[int, int]:
 
 
 def _dense_matches(p: torch.Tensor, checkpoint, name: str) -> bool:
-    from torch.distributed.tensor import DTensor
-
+    from ..parallel.fsdp import is_sharded, local
     from ..train.imported_weights import local_rows
 
-    if isinstance(p, DTensor):
-        start, stop = local_rows(p)
-        return torch.equal(p.to_local(), checkpoint.rows(name, start, stop))
+    if is_sharded(p):  # an FSDP shard (a DTensor): this rank's rows of the file's tensor
+        start, stop = local_rows(cast(Any, p))
+        return torch.equal(local(p), checkpoint.rows(name, start, stop))
     return torch.equal(p, checkpoint.tensor(name))
 
 
