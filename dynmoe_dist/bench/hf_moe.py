@@ -176,8 +176,6 @@ def ours_side(spec: Dict) -> Dict:
 
     torch.set_num_threads(1)
     tokens = global_tokens(spec)
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    mine = tokens.chunk(world)[rank]
     num_predictions = tokens.shape[0] * (tokens.shape[1] - 1)
     sides: Dict[str, Timed] = {}
     steps: Dict[str, Callable[[], float]] = {}
@@ -185,6 +183,7 @@ def ours_side(spec: Dict) -> Dict:
     for name, mode in OURS.items():
         config = run_config(spec["directory"], mode)
         parts = build_parts(config, build_model(config.model, config.moe, ModelNeeds("causal-lm", spec["vocab"])))
+        mine = tokens.chunk(parts.groups.world_size)[parts.groups.rank]  # this rank's sequences
         parts_of[name], steps[name] = parts, ours_step(parts, mine, num_predictions)
         sides[name] = Timed(steps[name], barrier=functools.partial(barrier, parts.groups, "bench hf-moe step"))
     for side in sides.values():
