@@ -11,7 +11,8 @@ shards the dense weights and reads this rank's experts and FSDP rows from the fi
 
 Per rank: ``peak_mib``, the peak resident memory of building above the resident memory just before it
 (VmHWM after resetting it: bench/measure.py, with a fixed mmap threshold); ``share_mib``, what the rank
-holds afterwards (its FSDP rows of every dense tensor + its experts, counted from its tensors); the time;
+holds afterwards (its FSDP rows of every dense tensor + its experts, counted from its tensors); the time
+(``load_s``, of which ``build_model_s`` is the model's construction on the meta device, before any read);
 and whether it meets the target peak <= 1.2 x share + 200 MiB (``over_target_mib`` says by how much not).
 Before the measured build, every rank builds a tiny checkpoint the same way (imports, gloo, FSDP's first
 calls are not the figure). Afterwards it checks that some of its tensors (dense rows, a router, the first
@@ -59,17 +60,20 @@ def run_config(directory: Path) -> RunConfig:
     return config
 
 
-def build_run(directory: Path, vocab: int):
-    """build_model + build_parts, as training does: the model on the meta device, then this rank's share read."""
+def build_run(directory: Path, vocab: int) -> Tuple[Any, float]:
+    """build_model + build_parts, as training does: the model on the meta device, then this rank's share read;
+    returns the parts and build_model's seconds (the rest of the time is build_parts', the reading in it)."""
     from ..models.build import build_model
     from ..tasks.base import ModelNeeds
     from ..train.parts import build_parts
 
     config = run_config(directory)
+    started = time.perf_counter()
     model = build_model(config.model, config.moe, ModelNeeds("causal-lm", vocab))
+    build_model_s = time.perf_counter() - started
     with warnings.catch_warnings():  # one rank: FSDP has nothing to shard, and says so
         warnings.simplefilter("ignore", UserWarning)
-        return build_parts(config, model)
+        return build_parts(config, model), build_model_s
 
 
 def held_bytes(parts) -> Tuple[int, int]:
@@ -117,13 +121,13 @@ def check_values(parts, directory: Path) -> Tuple[int, bool]:
 def rank_case(spec: Dict) -> Dict:
     """One rank: a warm-up build of the tiny checkpoint, then the measured build of the real one."""
     torch.set_num_threads(1)
-    groups = build_run(Path(spec["warm_up"]), TINY.vocab).groups
+    groups = build_run(Path(spec["warm_up"]), TINY.vocab)[0].groups
     from ..parallel.groups import barrier
 
     barrier(groups, "bench import")
     held: List = []
     peak, seconds = measured_call(lambda: held.append(build_run(Path(spec["directory"]), spec["vocab"])))
-    parts = held[0]
+    parts, build_model_s = held[0]
     dense, experts = held_bytes(parts)
     checked, match = check_values(parts, Path(spec["directory"]))
     return {
@@ -132,6 +136,7 @@ def rank_case(spec: Dict) -> Dict:
         "dense_mib": dense / MIB,
         "expert_mib": experts / MIB,
         "load_s": seconds,
+        "build_model_s": build_model_s,
         "checked_tensors": checked,
         "values_match": match,
     }
@@ -156,6 +161,7 @@ def rank_row(r: Dict) -> Dict:
         "meets_target": r["peak_mib"] <= target,
         "over_target_mib": round(max(0.0, r["peak_mib"] - target), 2),
         "load_s": round(r["load_s"], 3),
+        "build_model_s": round(r["build_model_s"], 3),
         "checked_tensors": r["checked_tensors"],
         "values_match": r["values_match"],
     }
@@ -166,6 +172,7 @@ def summarize(world: int, per_rank: List[Dict]) -> Dict:
     return {
         "ranks": world,
         "load_s": max(r["load_s"] for r in rows),  # the slowest rank's
+        "build_model_s": max(r["build_model_s"] for r in rows),
         "max_peak_mib": max(r["peak_mib"] for r in rows),
         "meets_target": all(r["meets_target"] for r in rows),
         "missed_by_mib": max(r["over_target_mib"] for r in rows),

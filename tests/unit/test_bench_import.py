@@ -21,6 +21,7 @@ def _rank(rank, peak, dense, experts, seconds, match=True):
         "dense_mib": dense,
         "expert_mib": experts,
         "load_s": seconds,
+        "build_model_s": seconds / 2,
         "checked_tensors": 16,
         "values_match": match,
     }
@@ -36,6 +37,7 @@ def test_summary_checks_each_rank_against_its_own_share_and_says_by_how_much_it_
     assert (second["target_mib"], second["meets_target"], second["over_target_mib"]) == (680.0, False, 20.0)
     assert not case["meets_target"] and case["missed_by_mib"] == 20.0
     assert case["load_s"] == 3.5 and case["max_peak_mib"] == 700.0  # the slowest rank, the largest peak
+    assert case["build_model_s"] == 1.75 and second["build_model_s"] == 1.75
     ok = bench.summarize(1, [_rank(0, 800.0, 100.0, 400.0, 1.0, match=False)])
     assert ok["meets_target"] and ok["missed_by_mib"] == 0.0 and not ok["values_match"]
 
@@ -55,7 +57,8 @@ def test_the_run_takes_the_checkpoints_routing_and_shards_dense_weights(tiny_che
 
 def test_one_process_holds_the_whole_checkpoint_and_the_check_catches_a_tensor_not_read(tiny_checkpoint):
     directory, described = tiny_checkpoint
-    parts = bench.build_run(directory, bench.TINY.vocab)
+    parts, build_model_s = bench.build_run(directory, bench.TINY.vocab)
+    assert build_model_s > 0
     dense, experts = bench.held_bytes(parts)
     assert experts == described["expert_parameters"] * 4
     # + the rotary module's inv_freq and original_inv_freq (8 floats each at head dim 16): buffers computed
@@ -79,5 +82,5 @@ def test_tiny_run_on_two_ranks_splits_the_checkpoint_and_reads_the_files_values(
     total = result["checkpoint"]["total_mib"]
     shares = [r["share_mib"] for r in case["per_rank"]]
     assert abs(sum(shares) - total) < 0.05 and max(shares) < 0.6 * total  # each rank holds about half
-    assert all(r["peak_mib"] > 0 and r["load_s"] > 0 for r in case["per_rank"])
+    assert all(r["peak_mib"] > 0 and r["load_s"] > r["build_model_s"] > 0 for r in case["per_rank"])
     assert isinstance(result["meets_target"], bool)
