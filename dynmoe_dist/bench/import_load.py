@@ -76,16 +76,19 @@ def build_run(directory: Path, vocab: int) -> Tuple[Any, float]:
         return build_parts(config, model), build_model_s
 
 
-def held_bytes(parts) -> Tuple[int, int]:
-    """(dense, expert) bytes this rank holds: its FSDP rows of the dense tensors (buffers too) and its experts."""
+def _local_bytes(tensors: List[torch.Tensor]) -> int:
+    """Bytes this rank holds of ``tensors`` (an FSDP shard's local rows)."""
     from ..parallel.fsdp import local
 
+    return sum(local(t).numel() * t.element_size() for t in tensors)
+
+
+def held_bytes(parts) -> Tuple[int, int]:
+    """(dense, expert) bytes this rank holds: its FSDP rows of the dense tensors (buffers too) and its experts."""
     experts = [p for shard in parts.experts.shards for p in shard.layer.experts.parameters()]
     expert_ids = {id(p) for p in experts}
     unique = {id(t): t for t in [*parts.model.parameters(), *parts.model.buffers()]}
-    dense = [t for key, t in unique.items() if key not in expert_ids]
-    size = lambda ts: sum(local(t).numel() * t.element_size() for t in ts)  # noqa: E731
-    return size(dense), size(experts)
+    return _local_bytes([t for key, t in unique.items() if key not in expert_ids]), _local_bytes(experts)
 
 
 def _dense_matches(p: torch.Tensor, checkpoint, name: str) -> bool:
@@ -105,10 +108,10 @@ def check_values(parts, directory: Path) -> Tuple[int, bool]:
 
     hf_model = parts.model.transformers_model()
     checkpoint = ImportedCheckpoint(directory, hf_model)
-    params = dict(hf_model.named_parameters())
+    tensors = dict(hf_model.named_parameters()) | dict(hf_model.named_buffers())
     names = [name for name, _ in dense_tensors(hf_model)]
     router = next(name for name in names if name.endswith("moe.router.weight"))
-    checks = [_dense_matches(params[n], checkpoint, n) for n in (names[0], names[len(names) // 2], names[-1], router)]
+    checks = [_dense_matches(tensors[n], checkpoint, n) for n in (names[0], names[len(names) // 2], names[-1], router)]
     shards = parts.experts.shards
     for shard in {id(s): s for s in (shards[0], shards[-1])}.values():
         for slot in sorted({0, len(shard.local_experts) - 1}):
@@ -120,10 +123,10 @@ def check_values(parts, directory: Path) -> Tuple[int, bool]:
 
 def rank_case(spec: Dict) -> Dict:
     """One rank: a warm-up build of the tiny checkpoint, then the measured build of the real one."""
-    torch.set_num_threads(1)
-    groups = build_run(Path(spec["warm_up"]), TINY.vocab)[0].groups
     from ..parallel.groups import barrier
 
+    torch.set_num_threads(1)
+    groups = build_run(Path(spec["warm_up"]), TINY.vocab)[0].groups
     barrier(groups, "bench import")
     held: List = []
     peak, seconds = measured_call(lambda: held.append(build_run(Path(spec["directory"]), spec["vocab"])))
