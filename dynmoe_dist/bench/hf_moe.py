@@ -84,7 +84,10 @@ class Timed:
     def warm_up(self) -> None:
         self.first_loss = self.step()  # the checkpoint's weights: both sides must agree here
         if memory_supported():  # the second step: optimizer state exists, allocator warm
-            self.peak_mib = peak_rss_above_baseline_mb(lambda: None if self.step() else None)
+            self.peak_mib = peak_rss_above_baseline_mb(self._step_once)
+
+    def _step_once(self) -> None:
+        self.step()
 
     def timed(self) -> None:
         self.barrier()
