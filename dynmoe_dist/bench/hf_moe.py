@@ -21,8 +21,10 @@ The two sides run one after the other, never at the same time (2 cores). Each ta
 A step's time is the slowest rank's (after a barrier); the figure is the median over steps. ``cpu_s`` is
 the process CPU time of a step summed over ranks (all threads, gloo's included), steadier than wall time on
 a shared machine. Memory per rank, in MiB: ``state`` = parameters + gradients + AdamW state held, and
-``step_peak_rss`` = peak resident memory of one step above the resident memory before it. The first step's
-losses must agree (same weights, same tokens, same routing). Target: ours / transformers <= 1.0.
+``step_peak_rss`` = peak resident memory of one step above the resident memory before it (glibc's default
+malloc, as bench hf: the fixed mmap threshold of the memory benchmarks doubled the step times here, every
+allocation becoming fresh pages, so this figure can hide memory glibc reuses). The first step's losses must
+agree (same weights, same tokens, same routing). Target: ours / transformers <= 1.0.
 --profile adds, per side (rank 0), where a step's time goes: phases, the MoE blocks' parts and the busiest
 operators (bench/step_profile.py).
 """
@@ -43,7 +45,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from ..config import RunConfig, from_dict, imported_moe_defaults, resolve_num_layers
-from .measure import emit_json, machine_info, memory_process_env, memory_supported, peak_rss_above_baseline_mb
+from .measure import emit_json, machine_info, memory_supported, peak_rss_above_baseline_mb
 from .moe_checkpoint import Qwen3MoeShape, write_checkpoint
 from .step_profile import profile_steps
 
@@ -246,15 +248,9 @@ def run_sides(spec: Dict, timeout_s: float) -> Dict:
     from ..parallel.simulate import run_simulated
 
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    with memory_process_env():  # fresh processes with a fixed mmap threshold: honest resident memory
-        (theirs,) = run_simulated(
-            transformers_side,
-            1,
-            args=(spec,),
-            timeout_s=timeout_s,
-            env={**env, "OMP_NUM_THREADS": str(spec["threads"])},
-        )
-        ours = run_simulated(ours_side, 2, args=(spec,), timeout_s=timeout_s, env=env)
+    threads = {**env, "OMP_NUM_THREADS": str(spec["threads"])}
+    (theirs,) = run_simulated(transformers_side, 1, args=(spec,), timeout_s=timeout_s, env=threads)
+    ours = run_simulated(ours_side, 2, args=(spec,), timeout_s=timeout_s, env=env)
     cases = {"transformers": {**summarize_side([theirs]), "experts_implementation": theirs["experts_implementation"]}}
     cases |= {name: summarize_side([rank[name] for rank in ours]) for name in OURS}
     return {"cases": cases, **compare(cases["transformers"], {name: cases[name] for name in OURS})}
