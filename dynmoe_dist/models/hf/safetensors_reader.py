@@ -11,7 +11,9 @@ whole file, and every page a view has touched stays in this process's resident s
 lives. A handle kept open for the reader's life would keep every page read so far: a rank filling its share
 of a checkpoint would hold it twice, its own copy and the file's pages (bench import measured a peak of
 2.0x the rank's share). With a handle per read the map goes when the returned tensor does, i.e. once the
-caller has copied it. Headers (``shape``) are read through one handle per file, kept: they touch no data.
+caller has copied it. The price is a header parse per read, about 1 microsecond per key in that file (0.24
+ms at 230 keys, 2.2 ms at 2000); reading at offsets from headers parsed once would avoid it. Headers
+(``shape``) are read through one handle per file, kept: they touch no data.
 """
 
 from __future__ import annotations
