@@ -14,6 +14,8 @@ BENCHMARKS = {
     "generate": "dynmoe_dist.bench.generate",
     "checkpoint": "dynmoe_dist.bench.checkpoint",
     "data": "dynmoe_dist.bench.data",
+    "import": "dynmoe_dist.bench.import_load",
+    "hf-moe": "dynmoe_dist.bench.hf_moe",
 }
 
 

@@ -19,21 +19,18 @@ Experts are not part of this measurement: they are written by their owners as be
 from __future__ import annotations
 
 import argparse
-import ctypes
-import os
 import shutil
 import tempfile
-import time
 import warnings
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Dict, List
 
 import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from ..moe import MoEConfig
-from .measure import MEMORY_PROCESS_ENV, emit_json, machine_info, memory_supported, peak_rss_above_baseline_mb
+from .measure import emit_json, machine_info, measured_call, memory_process_env
 
 MIB = 2**20
 TARGET_SHARE, TARGET_CONSTANT_MIB = 1.2, 64.0
@@ -85,35 +82,6 @@ def build_model(shape: Dict, config: RunConfig) -> torch.nn.Module:
     return hf_causal_lm_from(LlamaForCausalLM(hf_config), config.model, config.moe, needs)
 
 
-def _trim() -> None:
-    """Hand freed heap back to the OS so the baseline is what is live (glibc only)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _measured(fn: Callable[[], None]) -> Tuple[float, float]:
-    """(peak MiB above the resident memory before, seconds) of one call."""
-    import gc
-
-    gc.collect()
-    _trim()
-    seconds: List[float] = []
-
-    def timed() -> None:
-        started = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - started)
-
-    if memory_supported():
-        peak = peak_rss_above_baseline_mb(timed)
-    else:
-        timed()
-        peak = float("nan")
-    return peak, seconds[0]
-
-
 def _local_sums(params) -> List[float]:
     from ..parallel.fsdp import local
 
@@ -159,14 +127,14 @@ def rank_case(spec: Dict) -> Dict:
     directory = Path(spec["directory"])
     _warm_up(directory.with_name("warm_up"), params[:1], optimizer, groups)
     barrier(groups, "bench checkpoint save")
-    save_peak, save_s = _measured(lambda: save_dense(directory, params, optimizer, groups))
+    save_peak, save_s = measured_call(lambda: save_dense(directory, params, optimizer, groups))
     before = _local_sums(params)
     optimizer.state.clear()  # a resuming run holds weights and no Adam state yet
     with torch.no_grad():
         for _, p in params:
             local(p.detach()).zero_()
     barrier(groups, "bench checkpoint load")
-    load_peak, load_s = _measured(lambda: load_dense(directory, params, optimizer, groups))
+    load_peak, load_s = measured_call(lambda: load_dense(directory, params, optimizer, groups))
     own_file = directory / f"__{groups.rank}_0.distcp"
     return {
         "rank": groups.rank,
@@ -253,17 +221,8 @@ def main(argv=None) -> None:
         if args.num_layers < 2:
             raise SystemExit(f"--num-layers ({args.num_layers}) must be >= 2: the last two blocks are MoE")
         shape["layers"] = args.num_layers
-    # The spawned ranks inherit the environment: glibc reads the mmap threshold at start-up.
-    saved = {k: os.environ.get(k) for k in MEMORY_PROCESS_ENV}
-    os.environ.update(MEMORY_PROCESS_ENV)
-    try:
+    with memory_process_env():  # the spawned ranks inherit it
         cases = [run_case(world, shape, args.timeout_s) for world in ranks]
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     result = {
         "benchmark": "checkpoint",
         "model": {**shape, "moe_layers": [shape["layers"] - 2, shape["layers"] - 1], "num_experts": 4},

@@ -11,6 +11,9 @@ tracemalloc, and glibc keeps freed memory mapped, so an earlier case would infla
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import json
 import os
 import platform
@@ -20,7 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -83,6 +86,50 @@ def peak_rss_above_baseline_mb(step: Step) -> float:
     Path("/proc/self/clear_refs").write_text("5")
     step()
     return round((_status_kib("VmHWM") - baseline_kib) / 1024, 2)
+
+
+def trim_heap() -> None:
+    """Hand freed heap back to the OS so a baseline is what is live (glibc only)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def measured_call(fn: Step) -> Tuple[float, float]:
+    """(peak MiB above the resident memory before, seconds) of one call of ``fn``, after gc and a heap trim;
+    the peak is NaN where the high-water mark cannot be reset (not Linux)."""
+    gc.collect()
+    trim_heap()
+    seconds: List[float] = []
+
+    def timed() -> None:
+        started = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - started)
+
+    if memory_supported():
+        peak = peak_rss_above_baseline_mb(timed)
+    else:
+        timed()
+        peak = float("nan")
+    return peak, seconds[0]
+
+
+@contextlib.contextmanager
+def memory_process_env() -> Iterator[None]:
+    """MEMORY_PROCESS_ENV in this process's environment while processes are spawned (they inherit it, and
+    glibc reads the mmap threshold at start-up), restored afterwards."""
+    saved = {k: os.environ.get(k) for k in MEMORY_PROCESS_ENV}
+    os.environ.update(MEMORY_PROCESS_ENV)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run_in_fresh_process(
