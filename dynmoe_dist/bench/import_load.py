@@ -92,13 +92,12 @@ def held_bytes(parts) -> Tuple[int, int]:
 
 
 def _dense_matches(p: torch.Tensor, checkpoint, name: str) -> bool:
-    from ..parallel.fsdp import is_sharded, local
-    from ..train.imported_weights import local_rows
+    from ..parallel.fsdp import is_sharded, local, local_rows
 
     if is_sharded(p):  # an FSDP shard (a DTensor): this rank's rows of the file's tensor
         start, stop = local_rows(cast(Any, p))
         return torch.equal(local(p), checkpoint.rows(name, start, stop))
-    return torch.equal(p, checkpoint.tensor(name))
+    return torch.equal(p, checkpoint.rows(name, 0, p.shape[0]))
 
 
 def check_values(parts, directory: Path) -> Tuple[int, bool]:
