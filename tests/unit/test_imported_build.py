@@ -109,3 +109,22 @@ def test_a_printed_config_reads_back(tmp_path, text_file_here):
     (tmp_path / "run.toml").write_text(config.to_toml())
     again = load_config(str(tmp_path / "run.toml"))
     assert again.digest() == config.digest()
+
+
+def test_a_checkpoint_with_tied_embeddings_loads_tied(tmp_path, text_file_here):
+    """save_pretrained writes a tied head once (no lm_head.weight); the meta build ties it, so the run reads
+    the embedding once and the head is that same parameter (accelerate's empty-weights context would
+    untie it if tied inside)."""
+    from transformers import AutoModelForCausalLM
+
+    directory, vocab = save_moe_checkpoint("qwen3_moe", tmp_path / "tied", tie_word_embeddings=True)
+    config = load_config(None, run_settings(directory, text_file_here))
+    parts = build_parts(config, build_model(config.model, config.moe, ModelNeeds("causal-lm", vocab, max_len=8)))
+    hf = parts.model.transformers_model()
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    theirs = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float64, experts_implementation="eager")
+    ids = torch.randint(2, vocab, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            parts.model.eval()(ids).logits, theirs.eval()(input_ids=ids).logits, rtol=0, atol=1e-10
+        )

@@ -41,7 +41,8 @@ def build_on_meta(directory: Path, moe: MoEConfig) -> nn.Module:
     config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
     with init_empty_weights(include_buffers=False):  # buffers real: the rotary frequencies are computed here
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        hf.tie_weights()
+    # Tied outside the context: inside, accelerate wraps every parameter set on a module anew (untying it)
+    hf.tie_weights()
     # The MoE blocks straight on the meta device: under init_empty_weights every expert would first be
     # created and randomly initialised on the CPU (seconds for a large model, on every rank)
     with torch.device("meta"):
