@@ -61,7 +61,9 @@ class Sizes:
 
 
 # 2 epochs: two adaptive windows (1/3 to 2/3 of each epoch) for the pruned variant. Batch 16 x 128 tokens
-# as in pre-training; lr a quarter of pre-training's peak (a finetune, not a new start).
+# as in pre-training; lr a quarter of pre-training's peak (a finetune, not a new start). The 4866 snippets
+# are about 184k tokens under an 8k BPE of docstrings (measured), so about 70 steps per epoch, 140 per run,
+# each window about 24 steps (50k tokens routed per layer).
 FULL = Sizes(
     max_len=128,
     batch=16,
