@@ -73,6 +73,32 @@ def finetune_table(rows: Sequence[VariantRow]) -> str:
     return "\n".join(lines)
 
 
+def _mean_per_layer(lists: Sequence[Sequence[float]]) -> List[float]:
+    return [sum(values) / len(values) for values in zip(*lists)]
+
+
+def layer_table(rows: Sequence[VariantRow], step0_by_seed: Dict[int, Dict[str, Any]], combine: str) -> str:
+    """Per MoE layer (means over seeds): k at step 0 and at the end, experts at the start and the end, and
+    what the events removed and added: where the FLOPs and the pruning came from, or did not."""
+    lines = [
+        "| variant | layer | eval k at step 0 | eval k at the end | experts start -> end | removed | added |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        start_model = "native" if row.variant == "native" else f"top-any-{combine}"
+        k0 = _mean_per_layer([s[start_model]["eval_k"] for s in step0_by_seed.values()])
+        k_end = _mean_per_layer([r.eval_k for r in row.runs])
+        start, removed, added = (
+            _mean_per_layer([getattr(r, name) for r in row.runs]) for name in ("experts_start", "removed", "added")
+        )
+        for layer, k_start in enumerate(k0):
+            lines.append(
+                f"| {row.label} | {layer} | {k_start:.2f} | {k_end[layer]:.2f} | {start[layer]:.0f} -> "
+                f"{row.experts_end[layer]:.1f} | {removed[layer]:.1f} | {added[layer]:.1f} |"
+            )
+    return "\n".join(lines)
+
+
 def paired_rows(rows: Sequence[VariantRow]) -> List[Dict[str, Any]]:
     """Every top-any variant's held-out loss minus native's, paired by seed (pruned first: the goal's)."""
     native = _row(rows, "native")
@@ -170,6 +196,10 @@ def results_markdown(plan, outcome: Dict[str, Any], command: str, wall_s: float)
             "- removed / added: experts the adaptive events removed and added, summed over the layers.",
             "- ms/token: one cached decode step of the export (`bench generate`, median of its repeats), and "
             "of the pre-trained model timed in the same command.",
+            "",
+            "Per MoE layer (means over the seeds):",
+            "",
+            layer_table(rows, outcome["step0"], outcome["combine"]),
             "",
             "Paired by seed (the same data order and held-out split):",
             "",

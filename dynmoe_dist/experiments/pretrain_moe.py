@@ -35,6 +35,7 @@ from .docstrings import build_corpus, default_roots, read_corpus
 from .moe_runs import CommandFailed, export_checkpoint, final_checkpoint, log, simulated
 
 SUMMARY_FILE = "pretrain.json"
+TRAINED_FILE = "trained.json"
 WORK = "pretrain"
 
 
@@ -217,16 +218,24 @@ def steps_for(minutes: float, step_s: float) -> int:
 
 
 def settings(args, sizes: Sizes) -> Dict[str, Any]:
-    return {"sizes": asdict(sizes), "minutes": args.minutes, "steps": args.steps, "seed": args.seed}
+    """What decides the model, as it reads back from JSON (tuples become lists) so a saved copy compares equal."""
+    wanted = {"sizes": asdict(sizes), "minutes": args.minutes, "steps": args.steps, "seed": args.seed}
+    return json.loads(json.dumps(wanted))
 
 
 def reusable(out: Path, wanted: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """The summary of an earlier call with the same settings whose model is still there."""
+    """The summary of an earlier call with the same settings whose model is still there. A model of other
+    settings in DIR is refused: copying over it would mix two models' files."""
     file = out / SUMMARY_FILE
-    if not (file.is_file() and (out / "config.json").is_file()):
+    if not (out / "config.json").is_file():
         return None
-    summary = json.loads(file.read_text())
-    return summary if summary.get("settings") == wanted else None
+    summary = json.loads(file.read_text()) if file.is_file() else {}
+    if summary.get("settings") != wanted:
+        raise ValueError(
+            f"--out ({str(out)!r}) holds a model pre-trained with other settings (or none recorded in "
+            f"{SUMMARY_FILE}); choose another --out or delete it"
+        )
+    return summary
 
 
 def copy_model(export: Path, out: Path) -> None:
@@ -236,14 +245,15 @@ def copy_model(export: Path, out: Path) -> None:
             shutil.copy2(path, out / path.name)
 
 
-def pretrain(args) -> Dict[str, Any]:
-    sizes = TINY if args.tiny else FULL
-    out, wanted = Path(args.out), settings(args, sizes)
-    found = reusable(out, wanted)
-    if found is not None:
-        log(f"pretrain-moe: reusing the model in {out} ({SUMMARY_FILE} has the same settings)")
-        return {**found, "reused": True}
-    started, work = time.perf_counter(), out / WORK
+def train(args, sizes: Sizes, work: Path, wanted: Dict[str, Any]) -> Dict[str, Any]:
+    """Corpus, tokenizer, initial model, timing probe and training: what DIR/pretrain/trained.json records.
+    A call whose export failed left that file, and the next call with the same settings starts at the
+    export instead of training again."""
+    done = work / TRAINED_FILE
+    if done.is_file() and json.loads(done.read_text())["settings"] == wanted:
+        log(f"pretrain-moe: reusing the trained run in {work / 'run'}")
+        return json.loads(done.read_text())
+    started = time.perf_counter()
     shutil.rmtree(work, ignore_errors=True)
     roots = [default_roots()[0] / part for part in sizes.stdlib_parts] or None
     corpus = build_corpus(work / "corpus.jsonl", int(sizes.corpus_mb * 1e6), roots)
@@ -256,11 +266,9 @@ def pretrain(args) -> Dict[str, Any]:
         steps = steps_for(args.minutes, step_s)
         log(f"pretrain-moe: {step_s:.2f} s per step -> {steps} steps in {args.minutes:g} min")
     config = run_config(sizes, work, steps, work / "run", args.seed)
+    log(f"pretrain-moe: training {steps} steps on {sizes.world_size} simulated ranks")
     final = simulated(_train_on_rank, sizes.world_size, (config,))[0]
-    export_checkpoint(final_checkpoint(work / "run"), work / "export")
-    copy_model(work / "export", out)
-    summary = {
-        "model": str(out),
+    trained = {
         "corpus_mb": round(corpus.num_bytes / 1e6, 3),
         "corpus": corpus.to_dict(),
         "tokens": (final["train_windows"] + final["test_windows"]) * (sizes.max_len + 1),
@@ -273,6 +281,22 @@ def pretrain(args) -> Dict[str, Any]:
         **model,
         "settings": wanted,
     }
+    done.write_text(json.dumps(trained, indent=1))
+    return trained
+
+
+def pretrain(args) -> Dict[str, Any]:
+    sizes = TINY if args.tiny else FULL
+    out, wanted = Path(args.out), settings(args, sizes)
+    found = reusable(out, wanted)
+    if found is not None:
+        log(f"pretrain-moe: reusing the model in {out} ({SUMMARY_FILE} has the same settings)")
+        return {**found, "reused": True}
+    started, work = time.perf_counter(), out / WORK
+    trained = train(args, sizes, work, wanted)
+    export_checkpoint(final_checkpoint(work / "run"), work / "export")
+    copy_model(work / "export", out)
+    summary = {"model": str(out), **trained, "wall_s": trained["wall_s"] + time.perf_counter() - started}
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
     return summary
 

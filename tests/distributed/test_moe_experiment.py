@@ -70,6 +70,16 @@ def test_tiny_pretrain_trains_a_qwen3_moe_on_two_ranks(pretrained):
     assert len(list((work / "run" / "checkpoints").glob("step_*"))) == 1
 
 
+def test_a_second_tiny_pretrain_does_not_train_again(pretrained, capsys):
+    """With the model exported, the second call reuses it; with the export failed, it retries only that."""
+    out, status = pretrained
+    again = _call(pretrain_moe.main, ["--tiny", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert again == status
+    assert "reusing the model" in err if status == 0 else "reusing the trained run" in err
+    assert "training" not in err
+
+
 @EXPORT_PENDING
 def test_tiny_pretrain_writes_a_stock_checkpoint_plain_transformers_loads(pretrained, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -101,6 +111,7 @@ def test_tiny_finetune_writes_every_table_and_column(finetuned):
         "| removed / added | expert MFLOP/token | vs native | ms/token (export) | ms/token (pre-trained) |",
         "| top-any (converted) | ",
         "| top-any + pruning | ",
+        "| variant | layer | eval k at step 0 | eval k at the end | experts start -> end | removed | added |",
         "| top-any-pruned - native | ",
         "| top-any - native | ",
         "held-out loss within the native finetune's seed spread",

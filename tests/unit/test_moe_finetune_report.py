@@ -6,7 +6,7 @@ import math
 import pytest
 
 from dynmoe_dist.experiments import moe_finetune
-from dynmoe_dist.experiments.moe_markdown import finetune_table, goal_lines, paired_table, step0_table
+from dynmoe_dist.experiments.moe_markdown import finetune_table, goal_lines, layer_table, paired_table, step0_table
 from dynmoe_dist.experiments.moe_report import (
     FinetuneResult,
     Spread,
@@ -173,3 +173,15 @@ def test_a_model_that_is_no_moe_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         moe_finetune.main(["--model", str(dense), "--seeds", "0"], prog="moe-finetune")
     assert "--seeds (0) must be >= 1" in capsys.readouterr().err
+
+
+def test_layer_table_says_where_k_and_experts_went():
+    native, pruned = rows((3.1, 3.3, 3.6), (1.6, 1.2), (12, 14))
+    step0 = {
+        seed: {"native": {"eval_k": [2.0, 2.0]}, "top-any-softmax": {"eval_k": [2.0 + seed, 1.0]}} for seed in range(3)
+    }
+    lines = layer_table([native, pruned], step0, "softmax").splitlines()
+    assert lines[2] == "| native top-k | 0 | 2.00 | 2.00 | 16 -> 16.0 | 0.0 | 0.0 |"
+    # layer 0: step-0 k over seeds (2 + 3 + 4) / 3, at the end 1.6, 16 -> 12 by 4 removals
+    assert lines[4] == "| top-any + pruning | 0 | 3.00 | 1.60 | 16 -> 12.0 | 4.0 | 0.0 |"
+    assert lines[5] == "| top-any + pruning | 1 | 1.00 | 1.20 | 16 -> 14.0 | 2.0 | 0.0 |"
