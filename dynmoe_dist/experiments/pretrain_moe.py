@@ -5,7 +5,7 @@ No small pre-trained MoE ships offline, and `moe-finetune` needs one to convert.
 1. corpus: the docstrings of the running interpreter's standard library and site-packages
    (experiments/docstrings.py), capped, written to DIR/pretrain/corpus.jsonl;
 2. tokenizer: byte-level BPE trained on it (experiments/bpe.py), EOS <|endoftext|>;
-3. model: transformers' Qwen3MoeConfig at SIZES (16 experts, top-2, norm_topk_prob, the family's own
+3. model: transformers' Qwen3MoeConfig at the FULL sizes below (16 experts, top-2, norm_topk_prob, the family's own
    load-balance loss on at a small coefficient so the experts stay balanced while they specialise),
    random init, save_pretrained to DIR/pretrain/init;
 4. training with this project's trainer: native routing, expert parallel over 2 simulated gloo ranks
@@ -14,7 +14,9 @@ No small pre-trained MoE ships offline, and `moe-finetune` needs one to convert.
 5. `python -m dynmoe_dist.export` of the final checkpoint, a stock checkpoint (config.json,
    model.safetensors, tokenizer) copied into DIR, which plain ``from_pretrained`` loads.
 Prints one JSON line (corpus size, tokens, steps, wall time, held-out loss, DIR), also written to
-DIR/pretrain.json. A second call with the same settings finds DIR/pretrain.json and reuses the model.
+DIR/pretrain.json. A second call with the same settings finds DIR/pretrain.json and reuses the model; one
+after a failed export finds DIR/pretrain/trained.json and only exports. --tiny: a slice of the standard
+library, a 2-block model of 8 experts, 4 steps (the tests).
 """
 
 from __future__ import annotations
@@ -262,7 +264,8 @@ def train(args, sizes: Sizes, work: Path, wanted: Dict[str, Any]) -> Dict[str, A
     step_s = None
     steps = args.steps or (TINY_STEPS if args.tiny else 0)
     if not steps:
-        step_s = seconds_per_step(run_config(sizes, work, 1000, work / "probe", args.seed), sizes.probe_steps, 2)
+        probe = run_config(sizes, work, 1000, work / "probe", args.seed)
+        step_s = seconds_per_step(probe, sizes.probe_steps, sizes.world_size)
         steps = steps_for(args.minutes, step_s)
         log(f"pretrain-moe: {step_s:.2f} s per step -> {steps} steps in {args.minutes:g} min")
     config = run_config(sizes, work, steps, work / "run", args.seed)
