@@ -87,7 +87,7 @@ class Plan:
     seeds: List[int]
     sizes: Sizes
     model_info: Dict[str, Any]
-    """imported_moe's model type, experts, top-k and sparse layers of --model."""
+    """--model's type, experts per layer and top-k (check_model)."""
 
     def config(self, router: str, adaptive: bool, seed: int, out_dir: Path, combine: str = "equal") -> RunConfig:
         s = self.sizes
