@@ -5,6 +5,8 @@
     baseline   frozen-MiniLM + logistic regression on minilm-sentiment (one JSON line)
     drift      how far an upcycled run's experts moved from the pre-trained MLP and from one another
     lm-eval    lm-evaluation-harness on an exported model: held-out perplexity and sentiment multiple choice
+    pretrain-moe  pre-train a small Qwen3-MoE on the installed packages' docstrings; a stock checkpoint
+    moe-finetune  finetune it on Rotten Tomatoes three ways (native, top-any, top-any + pruning): does it pay?
 
 `python -m dynmoe_dist.experiments SUBCOMMAND --help` lists a subcommand's options.
 """
@@ -47,7 +49,27 @@ def _lm_eval(argv):
     main(argv, prog=f"{PROG} lm-eval")
 
 
-SUBCOMMANDS = {"compare": _compare, "losses": _losses, "baseline": _baseline, "drift": _drift, "lm-eval": _lm_eval}
+def _pretrain_moe(argv):
+    from .pretrain_moe import main
+
+    main(argv, prog=f"{PROG} pretrain-moe")
+
+
+def _moe_finetune(argv):
+    from .moe_finetune import main
+
+    main(argv, prog=f"{PROG} moe-finetune")
+
+
+SUBCOMMANDS = {
+    "compare": _compare,
+    "losses": _losses,
+    "baseline": _baseline,
+    "drift": _drift,
+    "lm-eval": _lm_eval,
+    "pretrain-moe": _pretrain_moe,
+    "moe-finetune": _moe_finetune,
+}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

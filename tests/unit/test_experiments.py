@@ -298,7 +298,7 @@ def compare_args(argv):
 def test_subcommands(capsys):
     assert experiments_main.main(["nope"]) == 2
     assert "unknown subcommand ('nope')" in capsys.readouterr().err
-    for name in ("compare", "losses", "baseline", "drift"):
+    for name in ("compare", "losses", "baseline", "drift", "pretrain-moe", "moe-finetune"):
         with pytest.raises(SystemExit) as exit_info:
             experiments_main.main([name, "--help"])
         assert exit_info.value.code == 0
