@@ -161,13 +161,17 @@ def _layer_shape(trainer) -> Dict[str, int]:
 
 
 def _step0_on_rank(configs: Dict[str, RunConfig]) -> Dict[str, Any]:
+    from ..train.calibrate import calibrate_converted
     from ..train.loop import Trainer
 
     out: Dict[str, Any] = {}
     for name, config in configs.items():
         trainer = Trainer(config)
         probe = RoutingProbe.attach(trainer.model)
-        out[name] = {"test_loss": trainer.evaluate()["test_loss"], "probe": probe.totals(), **_layer_shape(trainer)}
+        # A top-any conversion is calibrated first, as run() does at a fresh start (it then evaluates once)
+        calibration = calibrate_converted(trainer)
+        loss = calibration["test_loss_after_conversion"] if calibration else trainer.evaluate()["test_loss"]
+        out[name] = {"test_loss": loss, "probe": probe.totals(), **_layer_shape(trainer)}
     return out
 
 

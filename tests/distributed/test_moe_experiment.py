@@ -1,13 +1,7 @@
 """`pretrain-moe --tiny` and `moe-finetune --tiny` end to end, on 2 simulated gloo ranks (slow: each run
 starts two processes).
-
-The export of imported MoE runs (`python -m dynmoe_dist.export` writing a native run in the stock layout
-and a top-any run as remote code) and bench generate on those exports are landing on main separately;
-until models/hf/remote/ holds the MoE classes the tests that need them are expected to fail (xfail), and
-the rest (corpus, tokenizer, training on two ranks, every number and table) runs.
 """
 
-import importlib.util
 import json
 import math
 
@@ -16,12 +10,6 @@ import pytest
 from dynmoe_dist.experiments import moe_finetune, pretrain_moe
 
 pytestmark = pytest.mark.slow
-
-EXPORT_PENDING = pytest.mark.xfail(
-    importlib.util.find_spec("dynmoe_dist.models.hf.remote.modeling_dynmoe_moe") is None,
-    reason="the export of imported MoE runs is not on this branch yet",
-    strict=False,
-)
 
 
 def _call(main, argv):
@@ -80,7 +68,6 @@ def test_a_second_tiny_pretrain_does_not_train_again(pretrained, capsys):
     assert "training" not in err
 
 
-@EXPORT_PENDING
 def test_tiny_pretrain_writes_a_stock_checkpoint_plain_transformers_loads(pretrained, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -142,7 +129,6 @@ def test_tiny_finetune_runs_are_found_finished_for_reuse(finetuned):
         assert not moe_finetune.finished(plan.variant_config("top-any", seed, other))  # another config
 
 
-@EXPORT_PENDING
 def test_tiny_finetune_exports_and_times_every_run(finetuned):
     from transformers import AutoModelForCausalLM
 
