@@ -16,7 +16,8 @@ import pytest
 from dynmoe_dist.cluster.local import local_env, start_node
 from raytest import SETTINGS, assert_losses_equal, plans_of, start_head, submit_job
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
+# About 80 s: slow (the default suite keeps tests/cluster/test_ray_job.py's job, the same code on one node).
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(420)]
 HEAD_IP, WORKER_IP = "10.213.77.1", "10.213.77.2"
 IFNAME = "dmveth0"  # the same name at both ends (each in its own namespace), so one GLOO_SOCKET_IFNAME fits all
 

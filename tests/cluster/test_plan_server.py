@@ -77,6 +77,7 @@ EXPECTED_LAYER = LayerPlan(
     imbalance_before=1.5,
     imbalance_after=4 / 3.5,
     imbalance_unmoved=4 / 3.5,
+    dead=(1, 3),  # no token chose experts 1 and 3 in the window (the ones removed)
 )
 EXPECTED = Plan(version=1, step=26, layers=(EXPECTED_LAYER,), planned_by="ray")
 

@@ -69,6 +69,7 @@ class ActorKiller:
         return actors[0]
 
 
+@pytest.mark.slow  # about 50 s
 def test_killed_coordinator_restarts_with_the_same_plans(ray_head, reference_run, tmp_path):
     killer = ActorKiller(ray_head.url)
     job = submit_job(
@@ -84,6 +85,7 @@ def test_killed_coordinator_restarts_with_the_same_plans(ray_head, reference_run
     assert_losses_equal(job.out_dir, reference_run)
 
 
+@pytest.mark.slow  # about 60 s
 def test_killed_worker_group_restarts_from_the_last_checkpoint(ray_head, reference_run, tmp_path):
     marker = tmp_path / "worker-crashed"
     faults = [

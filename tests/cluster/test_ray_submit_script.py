@@ -14,6 +14,7 @@ from raytest import free_port, local_submit
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # about 60 s: a Ray head started and stopped by the script
 def test_local_submit_script_runs_a_job_and_cleans_up(tmp_path):
     needs_ray()
     # A relative interpreter path, as in `PYTHON=.venv/bin/python launcher/ray_submit.sh ...`

@@ -131,6 +131,7 @@ RULES: List[Rule] = [
     (r"^python -m dynmoe_dist\.experiments lm-eval ", SLOW, None, lambda t: t.split("  #")[0] + " --limit 4"),
     (r"^python -m dynmoe_dist\.experiments drift --compare ", SKIP, "it reads an experiments compare run", as_is),
     (r"^python -m dynmoe_dist\.experiments drift ", SLOW, None, as_is),
+    (r"^python -m dynmoe_dist\.experiments pretrain-moe ", SLOW, None, lambda t: t.split("  #")[0] + " --tiny"),
 ]
 
 
