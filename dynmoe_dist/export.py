@@ -1,5 +1,7 @@
 """``python -m dynmoe_dist.export CHECKPOINT --out DIR``: a training checkpoint -> a transformers directory.
 
+CHECKPOINT is a checkpoint directory or a run's output directory (its newest complete checkpoint).
+
 The checkpoint (train/checkpoint.py: meta.pt, dense/, experts_ep{r}.pt) holds dense parameters by their
 name in the trainer's model and experts by (MoE layer, logical id, ``moe.experts.expert_key``), whatever
 the world size, ep size, replicas and FSDP sharding were. The export builds the run's model with the same
@@ -33,7 +35,13 @@ from .models.hf.wrappers import HFCausalLM
 from .moe.experts import expert_key
 from .moe.layer import dense_state_tensors, find_moe_layers, rebuild_experts
 from .tasks.base import ModelNeeds
-from .train.checkpoint import read_checkpoint_dense, read_checkpoint_experts, read_checkpoint_meta, saved_expert_counts
+from .train.checkpoint import (
+    checkpoint_or_last,
+    read_checkpoint_dense,
+    read_checkpoint_experts,
+    read_checkpoint_meta,
+    saved_expert_counts,
+)
 
 
 def read_checkpoint(checkpoint: Path):
@@ -80,7 +88,7 @@ def fill_dense(model: nn.Module, dense: Mapping[str, torch.Tensor], where: Path)
 
 
 def export(checkpoint, out) -> Path:
-    checkpoint, out = Path(checkpoint), Path(out)
+    checkpoint, out = checkpoint_or_last(Path(checkpoint)), Path(out)
     meta, run = read_checkpoint(checkpoint)
     tokenizer_path = run.task.tokenizer or run.model.path
     tokenizer = load_tokenizer(tokenizer_path, "task.tokenizer")
@@ -109,7 +117,9 @@ def export(checkpoint, out) -> Path:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dynmoe_dist.export", description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", help="a checkpoint directory, e.g. OUT/checkpoints/step_000030")
+    parser.add_argument(
+        "checkpoint", help="a checkpoint directory (OUT/checkpoints/step_000030), or a run's OUT: its newest one"
+    )
     parser.add_argument(
         "--out", required=True, help="directory to write (config.json, remote code, model.safetensors, tokenizer)"
     )

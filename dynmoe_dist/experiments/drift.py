@@ -32,6 +32,7 @@ from ..models.hf.adapters import find_mlps
 from ..tasks import build_task
 from ..train.checkpoint import (
     complete_checkpoints,
+    last_complete_checkpoint,
     read_checkpoint_dense,
     read_checkpoint_experts,
     read_checkpoint_meta,
@@ -88,18 +89,11 @@ def dense_model(run: RunConfig, params: Optional[Dict[str, torch.Tensor]] = None
     return model
 
 
-def last_checkpoint(run_dir: Path) -> Path:
-    found = complete_checkpoints(str(run_dir))
-    if not found:
-        raise ValueError(f"RUN_DIR ({str(run_dir)!r}) holds no complete checkpoint (output.final_checkpoint)")
-    return found[-1]
-
-
 def run_drift(run_dir: Path, blocks: Optional[Sequence[int]] = None, reference=None) -> Dict:
     """{"run", "step", "layers": {block: layer_drift}} for one run directory. ``blocks`` defaults to the
     run's MoE blocks (a dense run must be given them); ``reference`` (mlp_params of the pre-trained model)
     saves rebuilding it for runs of the same model."""
-    checkpoint = last_checkpoint(Path(run_dir))
+    checkpoint = last_complete_checkpoint(Path(run_dir))
     meta, run = read_checkpoint_meta(checkpoint)
     moe_blocks = sorted(run.model.moe_layers)
     blocks = list(blocks) if blocks is not None else moe_blocks
@@ -134,7 +128,7 @@ def compare_table(out: Path) -> List[str]:
     if not run_dirs:
         raise ValueError(f"--compare ({str(out)!r}) holds no finished run with a checkpoint (runs/<model>/seed<s>)")
     # The MoE blocks of the first MoE run (every run of a comparison upcycles the same model).
-    configs = (read_checkpoint_meta(last_checkpoint(p))[1] for p in run_dirs)
+    configs = (read_checkpoint_meta(last_complete_checkpoint(p))[1] for p in run_dirs)
     first_moe = next((run for run in configs if run.model.moe_layers), None)
     if first_moe is None:
         raise ValueError(f"--compare ({str(out)!r}) holds only dense runs: no MoE blocks to compare")

@@ -6,8 +6,10 @@ docstrings) is finetuned on the Rotten Tomatoes snippets (task 'causal-lm', task
 20 % of the snippets held out) three ways, per seed, with the same steps, batch, lr and data order:
   native          the model's own top-2 routing (moe.router 'native'); adaptive events only re-place experts
   top-any         routers converted to top-any (thresholds calibrated to the model's own k); no events
-  top-any-pruned  the same with adaptive events: experts no token routes to in a window are removed
-                  ("domain pruning"), experts added for tokens that found none
+  top-any-pruned  the same with adaptive events that only remove: experts no token routes to in a window
+                  are removed ("domain pruning"; adaptive.max_adds_per_event = 0)
+  top-any-adaptive  the same with DynMoE's full events: removals, and experts added for tokens that
+                  found none
 Before any step, every seed's held-out loss is measured for native and for top-any with both combine
 rules ('equal' 1/k, DynMoE's; 'softmax' the router's probabilities renormalised over the chosen experts);
 the top-any finetunes use the rule with the lower mean. After training: held-out loss, k, experts per
@@ -38,11 +40,12 @@ from .probe import RoutingProbe, add_totals
 CONFIG_FILE = "config.toml"
 RESULT_FILE = "result.json"
 COMBINES = ("equal", "softmax")
-# name -> (label, moe.router, adaptive.enabled)
+# name -> (label, moe.router, adaptive.enabled, further overrides)
 VARIANTS = {
-    "native": ("native top-k", "native", True),
-    "top-any": ("top-any (converted)", "top_any", False),
-    "top-any-pruned": ("top-any + pruning", "top_any", True),
+    "native": ("native top-k", "native", True, ()),
+    "top-any": ("top-any (converted)", "top_any", False, ()),
+    "top-any-pruned": ("top-any + pruning", "top_any", True, ("adaptive.max_adds_per_event=0",)),
+    "top-any-adaptive": ("top-any + pruning and adds", "top_any", True, ()),
 }
 
 
@@ -89,7 +92,9 @@ class Plan:
     model_info: Dict[str, Any]
     """--model's type, experts per layer and top-k (check_model)."""
 
-    def config(self, router: str, adaptive: bool, seed: int, out_dir: Path, combine: str = "equal") -> RunConfig:
+    def config(
+        self, router: str, adaptive: bool, seed: int, out_dir: Path, combine: str = "equal", extra: Sequence[str] = ()
+    ) -> RunConfig:
         s = self.sizes
         overrides = [
             "task.name='causal-lm'",
@@ -116,11 +121,11 @@ class Plan:
         ]
         if router == "top_any":
             overrides.append(f"moe.combine='{combine}'")
-        return load_config(None, overrides)
+        return load_config(None, overrides + list(extra))
 
     def variant_config(self, variant: str, seed: int, combine: str) -> RunConfig:
-        _, router, adaptive = VARIANTS[variant]
-        return self.config(router, adaptive, seed, self.run_dir(variant, seed), combine)
+        _, router, adaptive, extra = VARIANTS[variant]
+        return self.config(router, adaptive, seed, self.run_dir(variant, seed), combine, extra)
 
     def step0_configs(self, seed: int) -> Dict[str, RunConfig]:
         """native, top-any-equal, top-any-softmax: evaluated before any step (nothing is written)."""

@@ -151,6 +151,24 @@ def complete_checkpoints(out_dir: str) -> List[Path]:
     return sorted(found, key=lambda p: int(p.name.removeprefix("step_")))
 
 
+def last_complete_checkpoint(run_dir: Path, option: str = "RUN_DIR") -> Path:
+    """The newest complete checkpoint of a run's output directory; a one-line ValueError naming ``option``
+    when it holds none."""
+    found = complete_checkpoints(str(run_dir))
+    if not found:
+        raise ValueError(f"{option} ({str(run_dir)!r}) holds no complete checkpoint (output.final_checkpoint)")
+    return found[-1]
+
+
+def checkpoint_or_last(path: Path) -> Path:
+    """``path`` itself when it is a checkpoint directory; a run's output directory (or its checkpoints/)
+    -> its newest complete checkpoint, as a user finishing a run would point at it."""
+    if (path / "meta.pt").is_file() or not path.is_dir():
+        return path
+    run_dir = path.parent if path.name == "checkpoints" else path
+    return last_complete_checkpoint(run_dir, "CHECKPOINT") if checkpoint_root(str(run_dir)).is_dir() else path
+
+
 def config_json(config: RunConfig) -> str:
     return json.dumps(config.to_dict(), default=list)
 

@@ -98,9 +98,11 @@ def test_tiny_finetune_writes_every_table_and_column(finetuned):
         "| removed / added | expert MFLOP/token | vs native | ms/token (export) | ms/token (pre-trained) |",
         "| top-any (converted) | ",
         "| top-any + pruning | ",
+        "| top-any + pruning and adds | ",
         "| variant | layer | eval k at step 0 | eval k at the end | experts start -> end | removed | added |",
         "| top-any-pruned - native | ",
         "| top-any - native | ",
+        "| top-any-adaptive - native | ",
         "held-out loss within the native finetune's seed spread",
     ):
         assert text in md
@@ -108,14 +110,16 @@ def test_tiny_finetune_writes_every_table_and_column(finetuned):
     assert report["combine"] in ("equal", "softmax") and report["shape"]["matmuls"] == 3
     assert set(report["step0"]) == {"0", "1"}
     runs = [run for variant in report["variants"] for run in variant["runs"]]
-    assert len(runs) == 6
-    # the same budget for all three: steps, and the held-out split behind every loss
+    assert len(runs) == 8
+    # the same budget for all four: steps, and the held-out split behind every loss
     assert len({run["steps"] for run in runs}) == 1
     for run in runs:
         assert math.isfinite(run["test_loss"]) and len(run["eval_k"]) == 2
     native = report["variants"][0]
     assert native["variant"] == "native" and native["flops_ratio"]["mean"] == pytest.approx(1.0)
     assert all(p["result"] is not None for p in report["paired"])
+    pruned = next(v for v in report["variants"] if v["variant"] == "top-any-pruned")
+    assert all(sum(run["added"]) == 0 for run in pruned["runs"])  # pruning only: no adds
 
 
 def test_tiny_finetune_runs_are_found_finished_for_reuse(finetuned):

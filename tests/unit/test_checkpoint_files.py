@@ -69,8 +69,18 @@ def test_crash_while_writing_leaves_previous_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt, "atomic_save", real_save)
     assert complete_checkpoints(str(tmp_path)) == [first]
     assert (tmp_path / "checkpoints" / "step_000002.tmp").is_dir()  # the torn one is never picked
+    # the export's CHECKPOINT: a run's OUT or OUT/checkpoints is its newest complete checkpoint
+    for where in (tmp_path, tmp_path / "checkpoints", first):
+        assert ckpt.checkpoint_or_last(where) == first
     fresh = _trainer(tmp_path)
     assert fresh.checkpoint_manager().resume("auto") == first and fresh.step == 1
+
+
+def test_a_run_directory_without_a_complete_checkpoint_is_named(tmp_path):
+    (tmp_path / "checkpoints" / "step_000004.tmp").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"^CHECKPOINT \('.*'\) holds no complete checkpoint"):
+        ckpt.checkpoint_or_last(tmp_path)
+    assert ckpt.checkpoint_or_last(tmp_path / "nothing") == tmp_path / "nothing"  # read_checkpoint_meta names it
 
 
 def test_old_checkpoints_pruned_after_new_one_is_complete(tmp_path):
