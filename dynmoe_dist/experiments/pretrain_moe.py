@@ -295,8 +295,9 @@ def pretrain(args) -> Dict[str, Any]:
     if found is not None:
         log(f"pretrain-moe: reusing the model in {out} ({SUMMARY_FILE} has the same settings)")
         return {**found, "reused": True}
-    started, work = time.perf_counter(), out / WORK
+    work = out / WORK
     trained = train(args, sizes, work, wanted)
+    started = time.perf_counter()  # train's own wall_s covers everything before the export
     export_checkpoint(final_checkpoint(work / "run"), work / "export")
     copy_model(work / "export", out)
     summary = {"model": str(out), **trained, "wall_s": trained["wall_s"] + time.perf_counter() - started}
