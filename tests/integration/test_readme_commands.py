@@ -29,6 +29,8 @@ from typing import Callable, List, Optional, Tuple
 
 import pytest
 
+from dynmoe_dist.tasks.assets import data_dir
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("README.md", "docs/hf.md")
 ACTIVATE = ". .venv/bin/activate"
@@ -206,10 +208,14 @@ def newcomers_files(sandbox: Path) -> None:
 
 
 def fresh_shell(script: str, sandbox: Path, timeout_s: float) -> subprocess.CompletedProcess:
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", str(sandbox))}
-    # The test's own isolation (token caches in a temporary directory, data where setup put it) and this
-    # machine's lack of network: not what a newcomer sets, but nothing that changes a command's meaning.
-    for name in ("DYNMOE_TOKEN_CACHE", "DYNMOE_DATA_DIR", "TMPDIR"):
+    # A home of the sandbox's own: defaults under ~ (ray_submit.sh's ~/dynmoe_runs) start empty, as a
+    # newcomer's do, whatever earlier runs left in this machine's home.
+    home = sandbox / "home"
+    home.mkdir(exist_ok=True)
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(home), "DYNMOE_DATA_DIR": str(data_dir())}
+    # The test's own isolation (token caches in a temporary directory, the data where setup put it) and
+    # this machine's lack of network: not what a newcomer sets, but nothing that changes a command's meaning.
+    for name in ("DYNMOE_TOKEN_CACHE", "TMPDIR"):
         if name in os.environ:
             env[name] = os.environ[name]
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
