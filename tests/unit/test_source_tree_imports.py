@@ -91,3 +91,31 @@ def test_working_dir_over_a_regular_install_takes_one_tree(regular_install, tmp_
     files = _probe(tree, str(regular_install))
     for name, file in files.items():
         assert Path(file).resolve().is_relative_to(tree.resolve()), (name, file)
+
+
+SHADOW_PROBE = """
+import sys
+sys.path.append(sys.argv[1])  # site-packages stand-in, after the checkout's root as in a venv
+import kernels
+import dynmoe_dist.kernels
+print(kernels.ORIGIN, dynmoe_dist.kernels.grouped_mm.__module__)
+"""
+
+
+def test_a_bare_import_kernels_gets_the_installed_package_not_this_folder(tmp_path):
+    """From the checkout's root (python -m puts it first on sys.path), transformers >= 5.25 imports
+    Hugging Face's `kernels` package: it must get that one, and dynmoe_dist.kernels must stay ours."""
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("ORIGIN = 'installed'\n")
+
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-c", SHADOW_PROBE, *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+
+    done = run(str(site))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["installed", "dynmoe_dist.kernels.grouped_gemm"]
+    missing = run(str(tmp_path / "empty"))  # no such package installed: a bare import fails by name
+    assert missing.returncode != 0 and "is dynmoe_dist.kernels; no other package named kernels" in missing.stderr
