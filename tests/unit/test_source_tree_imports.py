@@ -95,7 +95,7 @@ def test_working_dir_over_a_regular_install_takes_one_tree(regular_install, tmp_
 
 SHADOW_PROBE = """
 import sys
-sys.path.append(sys.argv[1])  # site-packages stand-in, after the checkout's root as in a venv
+sys.path.insert(1, sys.argv[1])  # an installed package's place, after the checkout's root ('')
 import kernels
 import dynmoe_dist.kernels
 print(kernels.ORIGIN, dynmoe_dist.kernels.grouped_mm.__module__)
@@ -110,12 +110,12 @@ def test_a_bare_import_kernels_gets_the_installed_package_not_this_folder(tmp_pa
     (site / "kernels" / "__init__.py").write_text("ORIGIN = 'installed'\n")
 
     def run(*args):
-        return subprocess.run(
-            [sys.executable, "-c", SHADOW_PROBE, *args], cwd=ROOT, capture_output=True, text=True, timeout=120
-        )
+        return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
-    done = run(str(site))
+    done = run("-c", SHADOW_PROBE, str(site))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["installed", "dynmoe_dist.kernels.grouped_gemm"]
-    missing = run(str(tmp_path / "empty"))  # no such package installed: a bare import fails by name
+    # No such package anywhere (-S: no site-packages, where transformers 5.25 installs the real one): the
+    # bare import fails and says why.
+    missing = run("-S", "-c", "import kernels")
     assert missing.returncode != 0 and "is dynmoe_dist.kernels; no other package named kernels" in missing.stderr
