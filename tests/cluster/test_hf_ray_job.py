@@ -35,11 +35,12 @@ def write_run_file(path: Path, settings) -> Path:
     return path
 
 
-def test_ray_job_of_an_hf_model_matches_one_process(ray_head, tmp_path):
-    settings = hf_settings(*write_tiny_run(tmp_path / "files"))
+def job_against_one_process(ray_head, tmp_path, name, settings):
+    """The run as one process and as a 2-worker Ray job (ep 2, the actor planning): the job's per-step
+    losses (1e-9) and expert counts are the process's; (reference records, job)."""
     reference = train([sys.executable, "-m", "dynmoe_dist.train"], tmp_path / "one", settings)
-    run_file = write_run_file(tmp_path / "tiny_hf.toml", settings)
-    job = submit_job(ray_head, tmp_path, "hf", ["parallel.ep_size=2"], config=str(run_file))
+    run_file = write_run_file(tmp_path / f"{name}.toml", settings)
+    job = submit_job(ray_head, tmp_path, name, ["parallel.ep_size=2"], config=str(run_file))
     assert job.succeeded, job.output[-4000:]
     assert job.summary()["steps"] == STEPS and job.summary()["planned_by"] == ["ray"]
     got = {r["step"]: r for r in job.records("step")}
@@ -48,6 +49,12 @@ def test_ray_job_of_an_hf_model_matches_one_process(ray_head, tmp_path):
     for step, record in want.items():
         assert abs(got[step]["loss"] - record["loss"]) <= 1e-9 * abs(record["loss"]), step
         assert got[step]["num_experts"] == record["num_experts"], step
+    return reference, job
+
+
+def test_ray_job_of_an_hf_model_matches_one_process(ray_head, tmp_path):
+    settings = hf_settings(*write_tiny_run(tmp_path / "files"))
+    reference, job = job_against_one_process(ray_head, tmp_path, "hf", settings)
     events = changes(reference)
     assert any(e[2] for e in events) and any(e[3] for e in events)
     assert changes(read_records(job.out_dir, "event")) == events
@@ -55,25 +62,15 @@ def test_ray_job_of_an_hf_model_matches_one_process(ray_head, tmp_path):
 
 def test_ray_job_of_an_imported_moe_matches_one_process(ray_head, tmp_path):
     """An imported OLMoE converted to top-any (thresholds calibrated at the start over every rank's tokens,
-    then events that remove and add experts) as a 2-worker Ray job: the one-process run's losses, expert
-    counts and events."""
+    then events that remove experts) as a 2-worker Ray job: the one-process run's losses, expert counts,
+    events and post-conversion loss."""
     files = tmp_path / "files"
     model_dir, _ = save_moe_checkpoint("olmoe", files / "olmoe")
     text_file = files / "corpus.txt"
     text_file.write_text("\n".join(corpus_lines()) + "\n")
     converted = ("moe.router='top_any'", "moe.calibrate_k=1", "moe.calibrate_samples=16")
     settings = moe_run_settings(model_dir, text_file, 1, *converted, steps=STEPS, batch=7)
-    reference = train([sys.executable, "-m", "dynmoe_dist.train"], tmp_path / "one", settings)
-    run_file = write_run_file(tmp_path / "imported_moe.toml", settings)
-    job = submit_job(ray_head, tmp_path, "moe", ["parallel.ep_size=2"], config=str(run_file))
-    assert job.succeeded, job.output[-4000:]
-    assert job.summary()["steps"] == STEPS and job.summary()["planned_by"] == ["ray"]
-    got = {r["step"]: r for r in job.records("step")}
-    want = {r["step"]: r for r in reference if r["kind"] == "step"}
-    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
-    for step, record in want.items():
-        assert abs(got[step]["loss"] - record["loss"]) <= 1e-9 * abs(record["loss"]), step
-        assert got[step]["num_experts"] == record["num_experts"], step
+    reference, job = job_against_one_process(ray_head, tmp_path, "moe", settings)
     events = changes(reference)
     assert any(e[2] for e in events)  # the conversion's domain pruning removed experts
     assert changes(read_records(job.out_dir, "event")) == events
