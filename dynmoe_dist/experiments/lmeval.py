@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -210,12 +209,13 @@ def run(args) -> Dict[str, Any]:
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "lm-eval") -> None:
+    from ..train.cli import exit_usage_error
+
     args = parser(prog).parse_args(argv)
     try:
         report = run(args)
     except ValueError as err:
-        print(f"{prog}: error: {' '.join(str(err).split())}", file=sys.stderr)
-        raise SystemExit(2) from None
+        exit_usage_error(prog, err)
     text = json.dumps(report, indent=2, sort_keys=True)
     print(text)
     if args.out:

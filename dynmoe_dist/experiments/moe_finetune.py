@@ -32,9 +32,11 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..config import RunConfig, load_config
+from ..train.checkpoint import last_complete_checkpoint
+from ..train.cli import exit_usage_error
 from ..train.telemetry import METRICS_FILE, read_metrics
 from .moe_report import FinetuneResult, aggregate_variant, summarise_finetune
-from .moe_runs import CommandFailed, export_checkpoint, final_checkpoint, generation_ms, log, simulated
+from .moe_runs import CommandFailed, export_checkpoint, generation_ms, log, simulated
 from .probe import RoutingProbe, add_totals
 
 CONFIG_FILE = "config.toml"
@@ -235,7 +237,7 @@ def finish(plan: Plan, result: FinetuneResult, folder: Path) -> FinetuneResult:
     export = folder / "export"
     shutil.rmtree(export, ignore_errors=True)
     try:
-        export_checkpoint(final_checkpoint(folder), export)
+        export_checkpoint(last_complete_checkpoint(folder), export)
     except (CommandFailed, ValueError) as err:
         log(f"  export failed: {err}")
         return replace(result, export="", export_error=str(err), generate_error="no export")
@@ -332,8 +334,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "moe-finetune") -> Di
     try:
         plan = make_plan(args)
     except ValueError as err:
-        print(f"{prog}: error: {' '.join(str(err).split())}", file=sys.stderr)
-        raise SystemExit(2) from None
+        exit_usage_error(prog, err)
     started = time.perf_counter()
     outcome = run_plan(plan, args.reuse)
     command = f"python -m dynmoe_dist.experiments {prog.split()[-1]} {shlex.join(argv)}".strip()

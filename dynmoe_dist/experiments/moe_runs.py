@@ -15,8 +15,6 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence
 
-from ..train.checkpoint import complete_checkpoints
-
 RUN_TIMEOUT_S = 7 * 24 * 3600.0
 """No overall deadline worth having for one training run; collectives still time out on their own."""
 COMMAND_TIMEOUT_S = 1800.0
@@ -35,14 +33,6 @@ def simulated(fn: Callable[..., Any], world_size: int, args: Sequence[Any]) -> L
     from ..parallel.simulate import run_simulated
 
     return run_simulated(fn, world_size, args=tuple(args), timeout_s=RUN_TIMEOUT_S, collective_timeout_s=600.0)
-
-
-def final_checkpoint(run_dir: Path) -> Path:
-    """The newest complete checkpoint of a finished run (output.final_checkpoint writes it)."""
-    found = complete_checkpoints(str(run_dir))
-    if not found:
-        raise ValueError(f"{run_dir} holds no complete checkpoint (was output.final_checkpoint on?)")
-    return found[-1]
 
 
 class CommandFailed(RuntimeError):

@@ -32,9 +32,11 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..config import RunConfig, load_config
+from ..train.checkpoint import last_complete_checkpoint
+from ..train.cli import exit_usage_error
 from .bpe import padded_vocab, save_tokenizer, train_bpe
 from .docstrings import build_corpus, default_roots, read_corpus
-from .moe_runs import CommandFailed, export_checkpoint, final_checkpoint, log, simulated
+from .moe_runs import CommandFailed, export_checkpoint, log, simulated
 
 SUMMARY_FILE = "pretrain.json"
 TRAINED_FILE = "trained.json"
@@ -298,7 +300,7 @@ def pretrain(args) -> Dict[str, Any]:
     work = out / WORK
     trained = train(args, sizes, work, wanted)
     started = time.perf_counter()  # train's own wall_s covers everything before the export
-    export_checkpoint(final_checkpoint(work / "run"), work / "export")
+    export_checkpoint(last_complete_checkpoint(work / "run"), work / "export")
     copy_model(work / "export", out)
     summary = {"model": str(out), **trained, "wall_s": trained["wall_s"] + time.perf_counter() - started}
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
@@ -323,8 +325,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "pretrain-moe") -> Di
         steps_for(args.minutes, 1.0)  # --minutes checked before anything runs
         summary = pretrain(args)
     except ValueError as err:
-        print(f"{prog}: error: {' '.join(str(err).split())}", file=sys.stderr)
-        raise SystemExit(2) from None
+        exit_usage_error(prog, err)
     except CommandFailed as err:  # the export: the trained run stays in DIR/pretrain/run
         print(f"{prog}: error: {err}", file=sys.stderr)
         raise SystemExit(1) from None

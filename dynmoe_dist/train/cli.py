@@ -12,7 +12,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, List, NoReturn, Optional
 
 from ..config import RunConfig, load_config, options_help
 from .help import option_choices, paths_note
@@ -91,6 +91,12 @@ def is_rank0() -> bool:
 def one_line(err: object) -> str:
     # Some messages quote other libraries' multi-line errors (a corrupt checkpoint's torch.load error).
     return " ".join(str(err).split())
+
+
+def exit_usage_error(prog: str, err: object) -> NoReturn:
+    """A command's bad input: one error line naming the command on stderr, exit status 2 (argparse's)."""
+    print(f"{prog}: error: {one_line(err)}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def report_error(err: object) -> None:
