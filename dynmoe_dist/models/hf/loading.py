@@ -15,7 +15,7 @@ import json
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, cast
 
 import torch.nn as nn
 
@@ -71,9 +71,37 @@ def resolve(path: str, field: str = "model.path") -> Tuple[Path, Optional[str]]:
                 f"{field} ({path!r}) has no config.json: expected a transformers model directory "
                 "(config.json + *.safetensors, as save_pretrained writes) or a .gguf file"
             )
+        check_model_files(p, f"{field} ({path!r})")
         return p, None
     check_gguf(p, field)
     return p.parent, p.name
+
+
+def read_config_json(directory: Path, where: str = "") -> Dict[str, Any]:
+    """A model directory's config.json as a dict; a ValueError naming the file (after ``where``, e.g.
+    "model.path ('m')") when it is not a JSON object."""
+    config_file = directory / "config.json"
+    prefix = f"{where}: " if where else ""
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"{prefix}{config_file} is not a readable JSON file ({err})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{prefix}{config_file} holds a JSON {type(raw).__name__}, not an object of settings")
+    return raw
+
+
+def check_model_files(directory: Path, where: str) -> None:
+    """The files a load of the model directory reads, checked without reading weights: config.json parses,
+    and every safetensors file (each shard the index names) has a readable header. Run where the path is
+    resolved, so that a bad file is one line before any process group exists."""
+    from .safetensors_reader import check_weight_files
+
+    read_config_json(directory, where)
+    try:
+        check_weight_files(directory)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
 
 
 def check_gguf(p: Path, field: str) -> None:
@@ -123,8 +151,8 @@ def _block_count_in_json(config_file: Path) -> Optional[int]:
     AutoConfig costs seconds before the first step, and load_config asks on every rank. None when the
     file does not name it plainly; AutoConfig (attribute maps, nested configs) then decides."""
     try:
-        raw = json.loads(config_file.read_text())
-    except (OSError, ValueError):
+        raw = read_config_json(config_file.parent)
+    except ValueError:
         return None
     section = raw.get("text_config", raw)  # a multimodal config keeps the LM's apart
     if not isinstance(section, dict):

@@ -25,7 +25,6 @@ first_k_dense_replace). Shared experts stay the family's own modules under their
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
@@ -37,6 +36,7 @@ from torch import Tensor
 from ...moe.config import MoEConfig
 from ...moe.routing import NativeRule
 from .adapters import activation_name
+from .loading import read_config_json
 
 Index = Tuple[Union[int, slice], ...]
 
@@ -383,7 +383,7 @@ class ImportedMoE:
 def imported_moe(directory: Path, field: str = "model.path") -> Optional[ImportedMoE]:
     """The MoE at ``directory`` (a save_pretrained directory), None for a dense model; a one-line ValueError
     naming the model type for an MoE family this project does not support, listing those it does."""
-    raw = json.loads((directory / "config.json").read_text())
+    raw = read_config_json(directory, f"{field} ({str(directory)!r})")
     model_type = raw.get("model_type")
     if model_type not in FAMILIES:
         counts = [key for key in EXPERT_COUNT_KEYS if isinstance(raw.get(key), int) and raw[key] > 0]
