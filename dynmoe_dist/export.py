@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Dict, Mapping
+from typing import Dict, Mapping, Union
 
 import torch
 import torch.nn as nn
 
 from .data.tokenizers import load_tokenizer
 from .models.build import build_model
+from .models.hf.export_files import MAX_SHARD_SIZE, prepare_out_dir, shard_size_bytes
 from .models.hf.imported import allocate, is_on_meta
 from .models.hf.pretrained import base_model_type, dynmoe_section, save_exported
 from .models.hf.stock_layout import save_stock
@@ -87,7 +88,7 @@ def fill_dense(model: nn.Module, dense: Mapping[str, torch.Tensor], where: Path)
             named[name].copy_(value)
 
 
-def export(checkpoint, out) -> Path:
+def export(checkpoint, out, max_shard_size: Union[int, str] = MAX_SHARD_SIZE) -> Path:
     checkpoint, out = checkpoint_or_last(Path(checkpoint)), Path(out)
     meta, run = read_checkpoint(checkpoint)
     tokenizer_path = run.task.tokenizer or run.model.path
@@ -107,12 +108,12 @@ def export(checkpoint, out) -> Path:
     fill_experts(model, experts, meta, checkpoint)
     fill_dense(model, dense, checkpoint)
     if stock:
-        save_stock(hf_model.eval(), out)
+        save_stock(hf_model.eval(), out, max_shard_size)
         tokenizer.save_pretrained(str(out))
         return out
     blocks = sorted(run.model.moe_layers)
     section = dynmoe_section(hf_model, run.moe, blocks, step=int(meta["step"]), base_model=run.model.path)
-    return save_exported(hf_model.eval(), section, out, tokenizer)
+    return save_exported(hf_model.eval(), section, out, tokenizer, max_shard_size)
 
 
 def main(argv=None) -> None:
@@ -121,11 +122,28 @@ def main(argv=None) -> None:
         "checkpoint", help="a checkpoint directory (OUT/checkpoints/step_000030), or a run's OUT: its newest one"
     )
     parser.add_argument(
-        "--out", required=True, help="directory to write (config.json, remote code, model.safetensors, tokenizer)"
+        "--out",
+        required=True,
+        help="a new or empty folder to write: config.json, the weights, the tokenizer (and, unless the run kept "
+        "the model's own routing, moe.router = 'native', the remote code *.py that transformers loads it with)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="empty --out first when it holds an earlier export (only then: config.json and files, no folders, "
+        "not the checkpoint's or the current directory)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default=MAX_SHARD_SIZE,
+        help=f"above this the weights go into shards with an index, as save_pretrained writes them "
+        f"(default {MAX_SHARD_SIZE!r}, save_pretrained's; e.g. '5GB', '500MB')",
     )
     args = parser.parse_args(argv)
     try:
-        out = export(args.checkpoint, args.out)
+        shard_size_bytes(args.max_shard_size)
+        prepare_out_dir(Path(args.out), Path(args.checkpoint), args.overwrite)
+        out = export(args.checkpoint, args.out, args.max_shard_size)
     except ValueError as err:
         parser.exit(2, f"error: {err}\n")
     print(json.dumps({"out": str(out), "files": sorted(p.name for p in out.iterdir())}))

@@ -17,9 +17,11 @@ Directory layout (format 3, what ``python -m dynmoe_dist.export`` writes; docs/h
   *.py               remote.REMOTE_FILES, copied from models/hf/remote/: plain transformers loads the
                      directory with ``trust_remote_code=True``, without dynmoe_dist, and refuses it without
                      (no stock class is named that would load it as the base model)
-  model.safetensors  the HF model with MoE blocks in place of the upcycled MLPs or sparse blocks; one key set
-                     per logical expert, ``...mlp.moe.experts.experts.{id}.w_in`` (ranks, ep size, replicas
-                     folded away); shared experts under their stock keys
+  model.safetensors  the HF model with MoE blocks in place of the upcycled MLPs or sparse blocks (above the
+                     export's --max-shard-size: shards + model.safetensors.index.json, as save_pretrained
+                     writes them; export_files.save_weights); one key set per logical expert,
+                     ``...mlp.moe.experts.experts.{id}.w_in`` (ranks, ep size, replicas folded away); shared
+                     experts under their stock keys
   tokenizer files    the model's tokenizer; generation_config.json
 ``from_pretrained(DIR)`` returns the HF model (its own output classes, so ``generate()`` works) with
 dynmoe_dist's MoE blocks, in eval mode; its outputs equal the trained model's. It also reads format 2 (the
@@ -34,7 +36,7 @@ import importlib
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, cast
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 import torch.nn as nn
@@ -43,9 +45,11 @@ from ...moe.config import MoEConfig
 from ...moe.experts import new_expert
 from ...moe.layer import MoELayer, NativeRouter, find_moe_layers
 from . import remote
+from .export_files import MAX_SHARD_SIZE, save_weights
 from .loading import _transformers
 from .moe_families import FAMILIES, family_of
 from .moe_import import import_moe
+from .safetensors_reader import read_all
 from .upcycle import upcycle_hf
 
 if TYPE_CHECKING:
@@ -267,9 +271,11 @@ def exported_config(model: nn.Module, section: Dict):
     return config
 
 
-def save_exported(model: nn.Module, section: Dict, out: Path, tokenizer=None) -> Path:
-    from safetensors.torch import save_file
-
+def save_exported(
+    model: nn.Module, section: Dict, out: Path, tokenizer=None, max_shard_size: Union[int, str] = MAX_SHARD_SIZE
+) -> Path:
+    """The export folder: config, generation config, remote code, weights (in shards above
+    ``max_shard_size``, as save_pretrained writes them), tokenizer."""
     out.mkdir(parents=True, exist_ok=True)
     exported_config(model, section).save_pretrained(str(out))
     generation = getattr(model, "generation_config", None)
@@ -277,7 +283,7 @@ def save_exported(model: nn.Module, section: Dict, out: Path, tokenizer=None) ->
         generation.save_pretrained(str(out))
     for name in remote.REMOTE_FILES:  # verbatim: the directory needs no dynmoe_dist to load
         shutil.copyfile(Path(remote.__file__).parent / name, out / name)
-    save_file(unshared_state(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_weights(unshared_state(model), out, max_shard_size)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     return out
@@ -336,12 +342,10 @@ def from_pretrained(directory, *, eval_k0: Optional[str] = None, dtype: Optional
     """The exported HF model with its DynMoE blocks, in eval mode, in ``dtype`` (None: as saved).
     ``eval_k0`` overrides the exported choice for tokens that select no expert ('top1' fallback or
     'skip': MoE output 0)."""
-    from safetensors.torch import load_file
-
     directory = Path(directory)
     config = read_config(directory)
     section = config["dynmoe"]
-    state = load_file(str(directory / "model.safetensors"))
+    state = read_all(directory)  # model.safetensors, or the shards its index names
     dtype = dtype or saved_dtype(config, state)
     model = base_model(directory, config).to(dtype)
     options = dict(section["moe"], **({"eval_k0": eval_k0} if eval_k0 is not None else {}))

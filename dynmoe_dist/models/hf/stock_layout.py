@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from ...moe.layer import NativeRouter
+from .export_files import MAX_SHARD_SIZE, save_weights
 from .moe_families import Index, MoEFamily, expert_tensors, family_of, fuse_experts
 from .pretrained import unshared
 from .safetensors_reader import CheckpointReader
@@ -224,11 +225,10 @@ def stock_config(model: nn.Module) -> Any:
     return config
 
 
-def save_stock(model: nn.Module, directory: Union[str, Path]) -> Path:
+def save_stock(model: nn.Module, directory: Union[str, Path], max_shard_size: Union[int, str] = MAX_SHARD_SIZE) -> Path:
     """Write the model as save_pretrained would: config.json (+ generation_config.json) and model.safetensors
-    in the checkpoint's layout; ``from_pretrained`` loads it without trust_remote_code."""
-    from safetensors.torch import save_file
-
+    (shards + index above ``max_shard_size``) in the checkpoint's layout; ``from_pretrained`` loads it
+    without trust_remote_code."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     state = unshared(stock_state_dict(model))
@@ -237,5 +237,5 @@ def save_stock(model: nn.Module, directory: Union[str, Path]) -> Path:
     generation = getattr(model, "generation_config", None)
     if generation is not None:
         generation.save_pretrained(str(out))
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_weights(state, out, max_shard_size)
     return out
