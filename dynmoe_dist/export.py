@@ -43,6 +43,7 @@ from .train.checkpoint import (
     read_checkpoint_meta,
     saved_expert_counts,
 )
+from .train.telemetry import WaitBar
 
 
 def read_checkpoint(checkpoint: Path):
@@ -88,32 +89,47 @@ def fill_dense(model: nn.Module, dense: Mapping[str, torch.Tensor], where: Path)
             named[name].copy_(value)
 
 
-def export(checkpoint, out, max_shard_size: Union[int, str] = MAX_SHARD_SIZE) -> Path:
+EXPORT_STAGES = 4  # build the model, read the checkpoint, fill its weights, write the folder
+
+
+def export(checkpoint, out, max_shard_size: Union[int, str] = MAX_SHARD_SIZE, progress: bool = True) -> Path:
+    """The export; ``progress`` shows a bar over its stages (reading and writing a large model takes minutes)."""
     checkpoint, out = checkpoint_or_last(Path(checkpoint)), Path(out)
     meta, run = read_checkpoint(checkpoint)
-    tokenizer_path = run.task.tokenizer or run.model.path
-    tokenizer = load_tokenizer(tokenizer_path, "task.tokenizer")
-    needs = ModelNeeds("causal-lm", len(tokenizer), max_len=run.task.max_len, tokenizer=tokenizer_path)
-    model = build_model(run.model, run.moe, needs)
-    assert isinstance(model, HFCausalLM), "model.source = 'hf' builds a causal LM wrapper"
-    hf_model = model.transformers_model()
-    stock = run.moe.router == "native"  # an imported MoE trained with its own routing goes back as it came
-    if not stock:
-        base_model_type(hf_model)  # a base without remote-code classes fails before any weight is read
-    dense, experts = read_checkpoint_dense(checkpoint), read_checkpoint_experts(checkpoint)
-    if is_on_meta(model):  # an imported MoE: nothing of its own checkpoint is needed, the training one says all
-        allocate(model, hf_model, torch.device("cpu"))
-    # The checkpoint's dtype (float64 runs export float64; bf16 runs keep fp32 masters).
-    model.to(next(iter(dense.values())).dtype)
-    fill_experts(model, experts, meta, checkpoint)
-    fill_dense(model, dense, checkpoint)
-    if stock:
-        save_stock(hf_model.eval(), out, max_shard_size)
+    with WaitBar(f"exporting {checkpoint.name}", EXPORT_STAGES, "stage", enabled=progress) as bar:
+        tokenizer_path = run.task.tokenizer or run.model.path
+        tokenizer = load_tokenizer(tokenizer_path, "task.tokenizer")
+        needs = ModelNeeds("causal-lm", len(tokenizer), max_len=run.task.max_len, tokenizer=tokenizer_path)
+        model = build_model(run.model, run.moe, needs)
+        assert isinstance(model, HFCausalLM), "model.source = 'hf' builds a causal LM wrapper"
+        hf_model = model.transformers_model()
+        if run.moe.router != "native":  # a converted run's base must have remote-code classes
+            base_model_type(hf_model)  # checked before any weight is read
+        bar.advance()
+        dense, experts = read_checkpoint_dense(checkpoint), read_checkpoint_experts(checkpoint)
+        bar.advance()
+        if is_on_meta(model):  # an imported MoE: nothing of its own checkpoint is needed, the training one says all
+            allocate(model, hf_model, torch.device("cpu"))
+        # The checkpoint's dtype (float64 runs export float64; bf16 runs keep fp32 masters).
+        model.to(next(iter(dense.values())).dtype)
+        fill_experts(model, experts, meta, checkpoint)
+        fill_dense(model, dense, checkpoint)
+        bar.advance()
+        written = save(hf_model.eval(), run, meta, tokenizer, out, max_shard_size)
+        bar.advance()
+    return written
+
+
+def save(hf_model: nn.Module, run, meta: Dict, tokenizer, out: Path, max_shard_size: Union[int, str]) -> Path:
+    """An imported MoE trained with its own routing goes back as it came (its stock format); any other run
+    in the exported format."""
+    if run.moe.router == "native":
+        save_stock(hf_model, out, max_shard_size)
         tokenizer.save_pretrained(str(out))
         return out
     blocks = sorted(run.model.moe_layers)
     section = dynmoe_section(hf_model, run.moe, blocks, step=int(meta["step"]), base_model=run.model.path)
-    return save_exported(hf_model.eval(), section, out, tokenizer, max_shard_size)
+    return save_exported(hf_model, section, out, tokenizer, max_shard_size)
 
 
 def main(argv=None) -> None:

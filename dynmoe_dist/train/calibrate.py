@@ -24,6 +24,7 @@ from ..moe.calibration import calibrated_counts, thresholds_for_counts
 from ..moe.layer import MoELayer, TopAnyRouter
 from ..moe.routing import cosine_scores, native
 from ..parallel.groups import ParallelGroups, sum_over_ranks
+from .telemetry import WaitBar
 
 
 @dataclass(frozen=True)
@@ -50,12 +51,16 @@ def calibrate(
     natives: Sequence[NativeRouting],
     target_k: float,
     groups: ParallelGroups,
+    bar: Optional[WaitBar] = None,
 ) -> List[LayerCalibration]:
-    """Set every converted layer's thresholds; ``forward`` runs the model on this rank's share of the sample."""
-    return [
-        calibrate_layer(index, layer, native_, forward, target_k, groups)
-        for index, (layer, native_) in enumerate(zip(layers, natives))
-    ]
+    """Set every converted layer's thresholds; ``forward`` runs the model on this rank's share of the sample.
+    ``bar`` advances by one per layer calibrated (a forward of the sample each)."""
+    done = []
+    for index, (layer, native_) in enumerate(zip(layers, natives)):
+        done.append(calibrate_layer(index, layer, native_, forward, target_k, groups))
+        if bar is not None:
+            bar.advance()
+    return done
 
 
 def calibrate_layer(
@@ -139,11 +144,14 @@ def calibrate_converted(trainer) -> Optional[Dict]:
         with torch.no_grad(), trainer.autocast():
             trainer.model(**batch.inputs)
 
-    layers = calibrate(forward, trainer.moe_layers, natives, target_k, trainer.groups)
+    shown = trainer.is_rank0 and config.output.progress
+    with WaitBar("calibrating top-any thresholds", len(trainer.moe_layers), "layer", enabled=shown) as bar:
+        layers = calibrate(forward, trainer.moe_layers, natives, target_k, trainer.groups, bar)
+    scores = trainer.evaluate("held-out scoring after the conversion")
     return {
         "kind": "calibration",
         "step": trainer.step,
         "target_k": target_k,
         "layers": [layer.record() for layer in layers],
-        **{f"{key}_after_conversion": value for key, value in trainer.evaluate().items()},
+        **{f"{key}_after_conversion": value for key, value in scores.items()},
     }

@@ -26,6 +26,7 @@ from .data import BatchSchedule, eval_ranges, shard
 from .optim import set_lr
 from .parts import DTYPES, TrainParts, build_parts
 from .recorder import K_BINS, Recorders, health
+from .telemetry import WaitBar
 
 # What a step record holds per MoE layer (lists in layer order; telemetry checks their lengths).
 LAYER_METRICS = (
@@ -224,16 +225,20 @@ class Trainer:
 
     # -- evaluation --------------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self) -> Dict:
-        """Loss and accuracy on the whole test split, sharded over ranks like training batches."""
+    def evaluate(self, wait: str = "held-out scoring") -> Dict:
+        """Loss and accuracy on the whole test split, sharded over ranks like training batches; rank 0
+        shows a bar over the batches, named ``wait``."""
         self.model.eval()
         size = self.task.size("test")
         totals = torch.zeros(2, dtype=torch.float64, device=self.groups.device)  # loss sum, correct
-        for start, end in self.eval_ranges:
-            batch = self.local_batch("test", torch.arange(start, end))
-            with self.autocast():
-                out = self.model(**batch.inputs)
-            totals += torch.stack(self.task.loss_terms(out.logits, batch.targets)).double()
+        shown = self.is_rank0 and self.config.output.progress
+        with WaitBar(wait, len(self.eval_ranges), "batch", enabled=shown) as bar:
+            for start, end in self.eval_ranges:
+                batch = self.local_batch("test", torch.arange(start, end))
+                with self.autocast():
+                    out = self.model(**batch.inputs)
+                totals += torch.stack(self.task.loss_terms(out.logits, batch.targets)).double()
+                bar.advance()
         summed = self._sum_over_ranks(totals.cpu(), "eval all_reduce")  # NOTE: device-to-host sync (once)
         self.model.train()
         items = self.task.count_items("test", torch.arange(size))

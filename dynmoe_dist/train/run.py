@@ -117,7 +117,7 @@ def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factor
             "kind": "final",
             "step": trainer.step,
             "epoch": trainer.step / trainer.schedule.steps_per_epoch,
-            **evaluation(trainer),
+            **evaluation(trainer, "final evaluation"),
             "wall_s": time.perf_counter() - started,
             "num_experts": [layer.num_experts for layer in trainer.moe_layers],
             "blocks": blocks,
@@ -132,9 +132,9 @@ def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factor
     return final
 
 
-def evaluation(trainer: Trainer) -> Dict:
+def evaluation(trainer: Trainer, wait: str = "held-out scoring") -> Dict:
     """The test scores, with the held-out perplexity for a language model (exp of the loss per token)."""
-    scores = trainer.evaluate()
+    scores = trainer.evaluate(wait)
     if trainer.task.scores_perplexity:
         scores["test_perplexity"] = math.exp(min(scores["test_loss"], 700.0))  # exp overflows past ~709
     return scores

@@ -322,44 +322,83 @@ def _short_number(value: float) -> str:
     return f"{value:.0f}"
 
 
+# Seconds between redraws: in place on a terminal; in a log file (Ray job logs, nohup) every redraw is
+# appended as a line, so only every 30 s there.
+TERMINAL_REDRAW_S, LOG_FILE_REDRAW_S = 0.1, 30.0
+WAIT_SHOWN_AFTER_S = 2.0
+"""A wait bar appears only once its wait has lasted this long: a wait of a second needs no bar."""
+
+
+def _tqdm(total: int, unit: str, **options: Any):
+    from tqdm import tqdm
+
+    interactive = sys.stderr.isatty()
+    redraw_s = TERMINAL_REDRAW_S if interactive else LOG_FILE_REDRAW_S
+    return tqdm(total=total, unit=unit, dynamic_ncols=True, mininterval=redraw_s, **options)
+
+
 class ProgressBar:
-    """A tqdm bar over optimizer steps; ``enabled=False`` (ranks other than 0) prints nothing at all."""
+    """A tqdm bar over optimizer steps; ``enabled=False`` (ranks other than 0) prints nothing at all.
+
+    The bar closes the moment it reaches its last step, so the finished bar is drawn once, with the
+    training rate, before the final evaluation (which has its own WaitBar) starts."""
 
     def __init__(self, total_steps: int, enabled: bool = True, initial_step: int = 0):
         if total_steps < 0:
             raise ValueError(f"total_steps ({total_steps}) must be >= 0")
         self.enabled = enabled
-        self._bar = None
-        if enabled:
-            from tqdm import tqdm
-
-            # Redrawn in place on a terminal; in a log file (Ray job logs, nohup) every redraw is
-            # appended, so redraw only every 30 s there.
-            interactive = sys.stderr.isatty()
-            self._bar = tqdm(
-                total=total_steps,
-                initial=initial_step,
-                unit="step",
-                dynamic_ncols=True,
-                mininterval=0.1 if interactive else 30.0,
-            )
+        self._bar = _tqdm(total_steps, "step", initial=initial_step) if enabled else None
 
     def update(self, record: Dict[str, Any]) -> None:
         """Move the bar to the record's step (records may come every log_every steps) and show its scores."""
         if self._bar is None:
             return
+        # The postfix first, without a redraw of its own: the update redraws at most once per redraw
+        # interval (a forced redraw per record would append a line per step to a log file).
+        self._bar.set_postfix_str(progress_postfix(record), refresh=False)
         # `step` counts optimizer steps done; clamp so a miscounted last step never overruns the bar.
         self._bar.update(max(0, min(record["step"], self._bar.total) - self._bar.n))
-        self._bar.set_postfix_str(progress_postfix(record), refresh=True)
+        if self._bar.n >= self._bar.total:
+            self.close()
 
     def write(self, message: str) -> None:
         if self._bar is not None:
             self._bar.write(message)
+        elif self.enabled:
+            print(message, flush=True)  # the finished bar is closed; lines after it print plainly
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+class WaitBar:
+    """A bar over a wait that is not a training step (calibrating layers, scoring held-out batches,
+    writing an export), so that no minute passes on a silent screen. ``enabled=False`` (ranks other than
+    0, output.progress = false) prints nothing. It appears after WAIT_SHOWN_AFTER_S; a finished bar is
+    cleared from a terminal and stays in a log file, where it says how long the wait took."""
+
+    def __init__(self, description: str, total: int, unit: str, enabled: bool = True):
+        self._bar = None
+        if enabled:
+            leave = not sys.stderr.isatty()
+            self._bar = _tqdm(total, unit, desc=description, leave=leave, delay=WAIT_SHOWN_AFTER_S)
+
+    def advance(self, count: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(count)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> "WaitBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -370,7 +409,8 @@ class Telemetry:
     """What the trainer calls: ``log(record)`` on every rank, ``close()`` at the end.
 
     On rank 0 a record goes to metrics.jsonl and TensorBoard; step records move the progress bar and
-    event / eval / final records are printed above it. Elsewhere every call is a no-op.
+    event / window / eval / calibration records are printed above it. The final record is not printed:
+    the end-of-run summary (train/cli.py ``summary``) says it, once. Elsewhere every call is a no-op.
     """
 
     def __init__(
@@ -401,7 +441,7 @@ class Telemetry:
             self.progress.write(describe_event(record))
         elif record["kind"] == "window":
             self.progress.write(describe_window(record))
-        else:
+        elif record["kind"] != "final":  # the final scores are the caller's summary (cli.summary), printed once
             self.progress.write(describe_scores(record))
 
     def close(self) -> None:

@@ -162,3 +162,19 @@ def test_resume_restores_the_grown_model(trained):
         torch.testing.assert_close(
             fresh.model(input_ids=ids).logits, trainer.model(input_ids=ids).logits, rtol=0, atol=0
         )
+
+
+def test_export_shows_a_bar_over_its_stages(trained, tmp_path, capsys, monkeypatch):
+    import re
+
+    from dynmoe_dist.export import EXPORT_STAGES
+    from dynmoe_dist.train import telemetry
+
+    monkeypatch.setattr(telemetry, "LOG_FILE_REDRAW_S", 0.0)  # pytest's stderr is no terminal: draw every advance
+    monkeypatch.setattr(telemetry, "WAIT_SHOWN_AFTER_S", 0.0)
+    export(trained[2], tmp_path / "exported")
+    lines = [line for line in re.split(r"[\r\n]", capsys.readouterr().err) if line.startswith("exporting step_")]
+    drawn = [int(n) for line in lines for n in re.findall(rf"(\d+)/{EXPORT_STAGES}\b", line)]
+    assert sorted(set(drawn)) == list(range(EXPORT_STAGES + 1)) and drawn == sorted(drawn)
+    export(trained[2], tmp_path / "quiet", progress=False)
+    assert capsys.readouterr().err == ""
