@@ -72,6 +72,7 @@ __all__ = [
     "load_config",
     "make_section",
     "options_help",
+    "toml_value",
     "parse_override",
     "read_toml",
     "resolve_num_layers",
@@ -102,12 +103,14 @@ class RunConfig:
         payload = {k: v for k, v in self.to_dict().items() if k not in ("output", "fault")}
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
-    def to_toml(self) -> str:
+    def to_toml(self, notes: Optional[Dict[str, str]] = None) -> str:
+        """The run file of this config; ``notes`` ('section.key' -> text) become a comment after a value."""
+        notes = notes or {}
         lines = []
         for name, values in self.to_dict().items():
             lines.append(f"[{name}]")
             lines += [
-                f"{key} = {_toml_value(value)}"
+                f"{key} = {toml_value(value)}" + (f"  # {notes[f'{name}.{key}']}" if f"{name}.{key}" in notes else "")
                 for key, value in values.items()
                 if value is not None and not (name == "moe" and key in DERIVED_MOE_KEYS)
             ]
@@ -115,11 +118,11 @@ class RunConfig:
         return "\n".join(lines)
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     return json.dumps(value)
 
 

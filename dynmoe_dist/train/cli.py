@@ -16,6 +16,7 @@ from typing import Callable, List, NoReturn, Optional
 
 from ..config import RunConfig, load_config, options_help
 from .help import option_choices, paths_note
+from .printed_config import printed_config
 from .startup import ConfigWarning, prepare_run
 
 USAGE_ERROR = 2  # the exit status argparse uses for a bad command line
@@ -137,7 +138,7 @@ def start(args) -> RunConfig:
 def train(args) -> int:
     config = start(args)
     if args.print_config:
-        print(config.to_toml())
+        print(printed_config(config))
         return 0
     from .run import run  # heavy imports only when actually training
 

@@ -25,6 +25,7 @@ from typing import Dict, Iterator, List, Optional
 from ..config import RunConfig
 from ..parallel.elastic import run_local_workers
 from . import cli
+from .printed_config import printed_config
 from .startup import ConfigWarning, prepare_run
 
 USAGE = "usage: python -m dynmoe_dist.train.launch NPROC [dynmoe-train options]  (see dynmoe-train --help)"
@@ -113,7 +114,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"dynmoe-train: error: {cli.one_line(err)}", file=sys.stderr, flush=True)
         return cli.USAGE_ERROR
     if args.print_config:
-        print(config.to_toml())
+        print(printed_config(config))
         return 0
     return launch(nproc, train_args)
 
