@@ -22,7 +22,7 @@ import numpy as np
 from .report_health import HealthSeries, draw_health, health_series
 from .telemetry import METRICS_FILE, read_metrics
 
-EVENT_CHANGES = ("removed", "added", "replicated")
+EVENT_CHANGES = ("removed", "added", "replicated", "moved")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -122,9 +122,10 @@ def _imbalance(loads: Optional[Sequence[float]]) -> float:
 
 
 def _event_marks(events: Sequence[Dict[str, Any]]) -> List[Tuple[int, int, str]]:
-    """An event marks 'removed' / 'added' when it did so, and 'replicated' when the layer's replica
-    map differs from its previous event's (the map is the plan's full state, not a delta, so an
-    unchanged map repeated every window is not a new replication)."""
+    """An event marks 'removed' / 'added' when it did so, 'moved' when it moved experts between ranks (a
+    re-placement), and 'replicated' when the layer's replica map differs from its previous event's (the
+    map is the plan's full state, not a delta, so an unchanged map repeated every window is not a new
+    replication)."""
     marks: List[Any] = []
     previous_replicas: Dict[int, Any] = {}
     for event in events:
@@ -134,6 +135,7 @@ def _event_marks(events: Sequence[Dict[str, Any]]) -> List[Tuple[int, int, str]]
             ("removed", bool(event.get("removed"))),
             ("added", bool(event.get("added"))),
             ("replicated", replicas != previous_replicas.get(layer, {})),
+            ("moved", bool(event.get("moves"))),
         ):
             if happened:
                 marks.append((int(event["step"]), layer, change))
@@ -219,6 +221,7 @@ EVENT_STYLE = {
     "removed": dict(color="tab:red", linestyle="--", label="expert removed"),
     "added": dict(color="tab:green", linestyle="-", label="expert added"),
     "replicated": dict(color="tab:purple", linestyle="-.", label="replicas changed"),
+    "moved": dict(color="tab:blue", linestyle=":", label="experts moved"),
 }
 
 
@@ -247,9 +250,9 @@ def _layer_colour(layer: int, num_layers: int):
 def _mark_events(ax, series: ReportSeries) -> None:
     from matplotlib.transforms import offset_copy
 
-    # Every layer is planned at the same window end, so removals, additions and replica changes share
-    # a step: each kind is shifted by a couple of points so the three lines stand side by side.
-    for offset, (change, style) in zip((-2.0, 0.0, 2.0), EVENT_STYLE.items()):
+    # Every layer is planned at the same window end, so removals, additions, replica changes and moves
+    # share a step: each kind is shifted by a couple of points so the lines stand side by side.
+    for offset, (change, style) in zip((-3.0, -1.0, 1.0, 3.0), EVENT_STYLE.items()):
         steps = series.event_steps(change)
         if len(steps):
             shifted = offset_copy(ax.get_xaxis_transform(), fig=ax.figure, x=offset, units="points")

@@ -151,6 +151,23 @@ def test_report_series_on_hand_made_records():
     assert series.event_steps("replicated").tolist() == [2]
 
 
+def test_moves_are_drawn_as_event_lines_with_their_legend_entry():
+    """A re-placement (experts moved between ranks, nothing added, removed or replicated) is an adaptive
+    event like the others: a vertical line at its step and an entry in the events legend."""
+    from matplotlib.figure import Figure
+
+    moved = {"kind": "event", "step": 2, "layer": 1, "removed": [], "added": [], "replicas": {}, "moves": 3}
+    series = report_series(HAND_MADE[:2] + [moved])
+    assert series.events == [(2, 1, "moved")] and series.event_steps("moved", layer=1).tolist() == [2]
+    figure = Figure()
+    axes = figure.add_subplot()
+    report._mark_events(axes, series)
+    report._event_legend(figure, series)
+    (lines,) = axes.collections
+    assert [segment[0][0] for segment in lines.get_segments()] == [2]
+    assert [text.get_text() for text in figure.legends[0].get_texts()] == ["experts moved"]
+
+
 def test_resumed_run_keeps_the_last_attempt_at_each_step():
     first = [step_record(s, [1], [[1]]) for s in (1, 2, 3)] + [{"kind": "eval", "step": 3}]
     resumed = [step_record(s, [1], [[9]]) for s in (2, 3)]  # restarted from the step-1 checkpoint
