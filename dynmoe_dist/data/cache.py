@@ -24,7 +24,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional
+from typing import IO, Any, Dict, Iterator, Optional
 
 import numpy as np
 
@@ -120,29 +120,50 @@ def file_problem(entry: Path, index: Dict[str, Any], full: bool) -> Optional[str
 @contextmanager
 def build_lock(lock_file: Path, timeout_s: float = WAIT_S, quiet_s: float = QUIET_WAIT_S) -> Iterator[None]:
     """An exclusive flock on lock_file, waited for at most timeout_s (then a clear error); a wait longer
-    than quiet_s is announced once."""
+    than quiet_s is announced once. The holder removes the file when it is done, built or failed, so
+    that the cache keeps no lock files."""
     lock_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_file, "w") as f:
-        started = time.monotonic()
-        deadline, told = started + timeout_s, False
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"waited {timeout_s:.0f} s for another process building the token cache "
-                        f"(lock {lock_file}); run `python -m dynmoe_dist.data prepare` before training"
-                    ) from None
-                if not told and time.monotonic() - started >= quiet_s:
-                    say(f"waiting for another process that is building this token cache ({lock_file})")
-                    told = True
-                time.sleep(0.2)
+    held = _acquire(lock_file, time.monotonic(), timeout_s, quiet_s)
+    try:
+        yield
+    finally:
+        lock_file.unlink(missing_ok=True)  # before the unlock: a waiter then finds its file gone and retries
+        fcntl.flock(held, fcntl.LOCK_UN)
+        held.close()
+
+
+def _acquire(lock_file: Path, started: float, timeout_s: float, quiet_s: float) -> IO:
+    """The open, flocked lock file. A waiter may lock a file whose holder removed it meanwhile; that lock
+    guards nothing (the next start creates and locks a new file), so it takes the file now at the path."""
+    told = False
+    while True:
+        file = open(lock_file, "w")
         try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.close()
+            if time.monotonic() > started + timeout_s:
+                raise TimeoutError(
+                    f"waited {timeout_s:.0f} s for another process building the token cache "
+                    f"(lock {lock_file}); run `python -m dynmoe_dist.data prepare` before training"
+                ) from None
+            if not told and time.monotonic() - started >= quiet_s:
+                say(f"waiting for another process that is building this token cache ({lock_file})")
+                told = True
+            time.sleep(0.2)
+            continue
+        if _names(lock_file, file):
+            return file
+        file.close()
+
+
+def _names(path: Path, file: IO) -> bool:
+    """Whether ``path`` is (still) the file open as ``file``."""
+    try:
+        on_disk, opened = path.stat(), os.fstat(file.fileno())
+    except FileNotFoundError:
+        return False
+    return (on_disk.st_dev, on_disk.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def install(built: Path, entry: Path) -> None:

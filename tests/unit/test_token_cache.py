@@ -5,6 +5,7 @@ naming the file and line/row, and a truncated, damaged or other-tokenizer entry 
 import json
 import os
 import shutil
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -214,6 +215,41 @@ def test_waiting_for_another_build_times_out_with_a_clear_error(tmp_path):
         with pytest.raises(TimeoutError, match=r"waited 0 s for another process building the token cache"):
             with build_lock(tmp_path / "k.lock", timeout_s=0.3):
                 pass
+
+
+def test_a_failed_or_finished_build_leaves_no_lock_file(model_dir, tmp_path):
+    (tmp_path / "missing.jsonl").write_text('{"body": "b"}\n')
+    with pytest.raises(ValueError, match="no key 'text'"):
+        open_corpus(spec(tmp_path / "missing.jsonl", model_dir, tmp_path / "cache"))
+    (tmp_path / "c.txt").write_text("\n".join(DOCS) + "\n")
+    open_corpus(spec(tmp_path / "c.txt", model_dir, tmp_path / "cache"))
+    assert list((tmp_path / "cache").rglob("*.lock")) == []
+
+
+def test_a_lock_on_a_file_removed_meanwhile_is_not_taken(tmp_path, monkeypatch):
+    """A start opens the lock file, the holder finishes (removing it) before the start's flock: that flock
+    succeeds on a file no later start can see; the start must lock the file now at the path instead, so
+    that a third start has to wait for it."""
+    import builtins
+    import fcntl
+
+    from dynmoe_dist.data import cache
+
+    lock, opened = tmp_path / "k.lock", []
+
+    def open_then_lose_the_file(path, mode):
+        file = builtins.open(path, mode)
+        if not opened:
+            Path(path).unlink()  # the previous holder finished between this open and the flock
+        opened.append(file)
+        return file
+
+    monkeypatch.setattr(cache, "open", open_then_lose_the_file, raising=False)
+    with build_lock(lock):
+        assert len(opened) == 2  # the lost file, then the one at the path
+        with builtins.open(lock, "w") as third, pytest.raises(BlockingIOError):
+            fcntl.flock(third, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert not lock.exists()
 
 
 def test_a_short_wait_is_quiet_and_a_long_one_is_announced(tmp_path, capsys, monkeypatch):
