@@ -362,6 +362,10 @@ def imported_moe_defaults(data: Dict[str, Any]) -> None:
     model["moe_layers"] = layers
     moe["num_experts"] = found.num_experts
     moe.setdefault("router", "native")
+    if moe["router"] == "native" and moe.get("balance") == "bias" and not found.correction_bias:
+        raise ValueError(
+            f"moe.balance ('bias') needs a correction bias to move, and its native router has none: {where}"
+        )
 
 
 def resolve_num_layers(model: ModelConfig) -> None:

@@ -18,6 +18,7 @@ TRAIN_K0_MODES = ("zero", "top1")
 EVAL_K0_MODES = ("top1", "skip")
 COMBINE_MODES = ("equal", "softmax")
 EXPERT_COMPUTE = ("auto", "grouped_mm", "loop")
+BALANCE_RULES = ("off", "bias")
 
 # The baselines' losses; a top-any layer takes its moe.preset's (default_aux_losses below).
 DEFAULT_AUX = {
@@ -67,6 +68,7 @@ ROUTER_FIELDS = {
     "combine": ("top_any",),
     "calibrate_k": ("top_any",),
     "calibrate_samples": ("top_any",),
+    "target_k": ("top_any",),
     "preset": ("top_any",),
 }
 
@@ -197,6 +199,18 @@ class MoEConfig:
     """gpt_oss experts: the alpha of glu = gate * sigmoid(alpha * gate); taken from the checkpoint's config."""
     swiglu_limit: float = 7.0
     """gpt_oss experts: gate is clamped above at limit, up to [-limit, limit]; taken from the checkpoint's config."""
+    target_k: float = 0.0
+    """Top-any compute budget: the mean experts per token (all tokens of all ranks) that a controller holds
+    each layer at, by moving every threshold of the layer together after each step, out of the gradient
+    (moe/balance.py). 0 = no budget (k follows the thresholds' training). A converted model's calibration
+    starts at it."""
+    balance: str = "off"
+    """Load balance without an aux loss: 'off', or 'bias' (DeepSeek-V3's rule: after each step every expert's
+    choice bias moves by balance_rate against its load, re-centred so the biases' mean stays; a choice-only
+    bias for top_k, the checkpoint's e_score_correction_bias for a native DeepSeek-V3, mean-zero moves of
+    the thresholds for top_any, so that the mean k stays with target_k)."""
+    balance_rate: float = 0.001
+    """Step of the 'bias' balance rule (DeepSeek-V3's gamma), in score units (threshold units for top_any)."""
     preset: str = DEFAULT_PRESET
     """Named DynMoE settings for every moe / adaptive option you do not set yourself (top-any runs only):
     'paper' (the authors' released code: 4 aux losses, top-1 eval fallback, reuse_discarded init),
@@ -253,8 +267,29 @@ class MoEConfig:
         _require(self.eval_k0 in EVAL_K0_MODES, f"eval_k0 ({self.eval_k0!r}) must be one of {EVAL_K0_MODES}")
         _require(self.calibrate_k >= 0, f"calibrate_k ({self.calibrate_k}) must be >= 0")
         _require(self.calibrate_samples >= 1, f"calibrate_samples ({self.calibrate_samples}) must be >= 1")
+        self.validate_budget()
         _require(self.combine in COMBINE_MODES, f"combine ({self.combine!r}) must be one of {COMBINE_MODES}")
         _require(
             self.expert_compute in EXPERT_COMPUTE,
             f"expert_compute ({self.expert_compute!r}) must be one of {EXPERT_COMPUTE}",
+        )
+
+    def validate_budget(self) -> None:
+        """The compute budget and the balance rule: a k the layer can reach, a router whose choice can be biased,
+        and one starting k (a converted model's calibration starts at the budget)."""
+        _require(
+            0.0 <= self.target_k <= self.num_experts,
+            f"target_k ({self.target_k}) must be in (0, num_experts ({self.num_experts})], or 0 for no budget",
+        )
+        _require(self.balance in BALANCE_RULES, f"balance ({self.balance!r}) must be one of {BALANCE_RULES}")
+        _require(self.balance_rate > 0, f"balance_rate ({self.balance_rate}) must be > 0")
+        _require(
+            self.balance != "bias" or self.router != "top_p",
+            "balance ('bias') needs choice scores to bias (top_any, top_k, or a native family with a correction "
+            "bias such as DeepSeek-V3); router 'top_p' chooses by probability mass",
+        )
+        _require(
+            not (self.target_k and self.calibrate_k) or float(self.calibrate_k) == self.target_k,
+            f"calibrate_k ({self.calibrate_k}) != target_k ({self.target_k}): calibration starts at the budget; "
+            "set one of them",
         )

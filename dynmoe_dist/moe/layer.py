@@ -114,23 +114,35 @@ class TopAnyRouter(nn.Module):
 
 
 class SoftmaxRouter(nn.Module):
-    """Linear router + softmax, selecting top-k or top-p (the baselines)."""
+    """Linear router + softmax, selecting top-k or top-p (the baselines).
+
+    With moe.balance = 'bias' a top-k router also holds ``choice_bias`` (E), a buffer added to the
+    probabilities for choosing only, which moe/balance.py moves after each step (DeepSeek-V3's rule). Without
+    it the buffer is absent, so the router's state is the plain baseline's."""
+
+    choice_bias: Optional[Tensor]
 
     def __init__(self, config: MoEConfig):
         super().__init__()
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.dim).normal_(0, config.init_std))
+        bias = torch.zeros(config.num_experts) if config.balance == "bias" and config.router == "top_k" else None
+        self.register_buffer("choice_bias", bias)
 
     def forward(self, x_TD: Tensor, training: bool) -> Routing:
         dtype = torch.promote_types(gate_dtype(x_TD), self.weight.dtype)
         logits_TE = x_TD.to(dtype) @ self.weight.to(dtype).t()
         if self.config.router == "top_k":
-            return top_k(logits_TE, self.config.top_k)
+            return top_k(logits_TE, self.config.top_k, self.choice_bias)
         return top_p(logits_TE, self.config.top_p)
 
     def resize(self, keep: List[int], new_weight_ND: Tensor) -> None:
+        """Keep the given experts (in that order) and append new ones (choice bias 0, DeepSeek's start)."""
         with torch.no_grad():
             weight = torch.cat([self.weight[keep], new_weight_ND.to(self.weight)])
+            if self.choice_bias is not None:
+                old = self.choice_bias
+                self.choice_bias = torch.cat([old[keep], old.new_zeros(len(new_weight_ND))])
         self.weight = nn.Parameter(weight)
 
 
@@ -140,14 +152,20 @@ class NativeRouter(nn.Module):
 
     The correction bias stays a buffer, as in transformers: it only moves which experts are chosen (the
     weights use the scores without it), so no gradient reaches it; DeepSeek adjusts it outside the gradient
-    (its auxiliary-loss-free balancing), which is not run here, so it keeps the checkpoint's values. As a
-    buffer it follows the model's device, is saved, and is sliced with the experts."""
+    (its auxiliary-loss-free balancing), which runs here only with moe.balance = 'bias' (moe/balance.py):
+    by default it keeps the checkpoint's values, as transformers' forward does. As a buffer it follows the
+    model's device, is saved, and is sliced with the experts."""
 
     e_score_correction_bias: Optional[Tensor]
 
     def __init__(self, config: MoEConfig, rule: NativeRule):
         super().__init__()
         rule.check_experts(config.num_experts)
+        if config.balance == "bias" and not rule.correction_bias:
+            raise ValueError(
+                "balance ('bias') needs choice scores to bias: this family's native router has no correction "
+                "bias (DeepSeek-V3's e_score_correction_bias); use router 'top_k' or 'top_any', or balance 'off'"
+            )
         self.config = config
         self.rule = rule
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.dim).normal_(0, config.init_std))

@@ -134,13 +134,17 @@ def _top1_fallback(
     return mask_TE | fallback_TE, weights_TE + fallback_TE.to(weights_TE.dtype)
 
 
-def top_k(logits_TE: Tensor, k: int) -> Routing:
-    """GShard/Switch: softmax, keep the k largest, renormalise the kept probabilities."""
+def top_k(logits_TE: Tensor, k: int, choice_bias_E: Optional[Tensor] = None) -> Routing:
+    """GShard/Switch: softmax, keep the k largest, renormalise the kept probabilities.
+
+    ``choice_bias_E`` (moe.balance = 'bias', DeepSeek-V3's rule on a softmax router) is added to the
+    probabilities for choosing only: the weights stay the kept probabilities, renormalised."""
     num_experts = logits_TE.shape[-1]
     if not 1 <= k <= num_experts:
         raise ValueError(f"top_k ({k}) must be in [1, num_experts ({num_experts})]")
     probs_TE = torch.softmax(logits_TE.to(gate_dtype(logits_TE)), dim=-1)
-    _, index_TK = probs_TE.topk(k, dim=-1)
+    choice_TE = probs_TE if choice_bias_E is None else probs_TE.detach() + choice_bias_E.to(probs_TE.dtype)
+    _, index_TK = choice_TE.topk(k, dim=-1)
     mask_TE = torch.zeros_like(probs_TE, dtype=torch.bool).scatter_(-1, index_TK, True)
     kept_TE = probs_TE * mask_TE
     weights_TE = kept_TE / kept_TE.sum(dim=-1, keepdim=True)

@@ -135,7 +135,8 @@ def calibrate_converted(trainer) -> Optional[Dict]:
     if gguf_file is not None or imported_moe(directory) is None:
         return None
     natives = native_routings(directory, trainer.model.transformers_model())
-    target_k = float(config.moe.calibrate_k or natives[0].rule.top_k)
+    # the budget when there is one (MoEConfig refuses a calibrate_k that differs), else calibrate_k, else the model's k
+    target_k = float(config.moe.target_k or config.moe.calibrate_k or natives[0].rule.top_k)
     size = trainer.task.size("train")
     batch = trainer.local_batch("train", torch.arange(min(size, max(config.moe.calibrate_samples, trainer.world_size))))
 

@@ -16,6 +16,7 @@ import torch
 
 from ..config import RunConfig
 from ..models.build import build_model
+from ..moe.balance import Balancers
 from ..moe.layer import MoELayer, dense_state_tensors
 from ..parallel.groups import ParallelGroups, current_world_size, sum_over_ranks
 from ..planning.packing import rank_loads as rank_loads_of
@@ -78,6 +79,8 @@ class Trainer:
         torch.manual_seed(config.train.seed)
         self.parts: TrainParts = build_parts(config, build_model(config.model, config.moe, self.task.model_needs()))
         self.recorders = Recorders(self.parts.experts.layers, self.parts.groups)
+        # moe.target_k / moe.balance: out-of-gradient moves of the routers' choice, after each step
+        self.balancers = Balancers.for_layers(self.parts.experts.layers, config.moe)
         self.step = 0
 
     # -- read-only views of the parts --------------------------------------------------------------
@@ -111,6 +114,8 @@ class Trainer:
             "dense": DenseFiles(lambda: dense_state_tensors(parts.model), parts.optimizer, parts.groups),
             "recorders": self.recorders,
         }
+        if self.balancers is not None:
+            states["balance"] = self.balancers
         if adaptive is not None:
             states["adaptive"] = adaptive
         return CheckpointManager(self.config, parts.groups, states)
@@ -145,6 +150,8 @@ class Trainer:
         started = time.perf_counter()
         self.model.train()
         self.recorders.reset_step()
+        if self.balancers is not None:
+            self.balancers.start_step()
         totals = StepTotals(self.groups.device)
         for micro in range(self.config.train.grad_accum):
             self.forward_backward(self.schedule.micro_indices(self.step, micro), totals)
@@ -166,9 +173,13 @@ class Trainer:
         return sum_over_ranks(vector, self.groups, what)
 
     def _step_record(self, totals: StepTotals, seconds: float, lr: float) -> Dict:
+        balance = [self.balancers.step_vector()] if self.balancers is not None else []
         summed = self._sum_over_ranks(
-            torch.cat([totals.vector(), self.recorders.step_vector()]), "step metrics all_reduce"
+            torch.cat([totals.vector(), self.recorders.step_vector(), *balance]), "step metrics all_reduce"
         ).tolist()
+        if self.balancers is not None:  # their counts ride at the end of the step's one summed vector
+            balance_moves = self.balancers.update(summed[len(summed) - self.balancers.size :])
+            summed = summed[: len(summed) - self.balancers.size]
         task_loss, correct, items, aux = summed[:4]
         record = {
             "kind": "step",
@@ -183,6 +194,8 @@ class Trainer:
             "samples_per_s": items / seconds,
         }
         record.update(self._layer_metrics(summed[4:], seconds, items))
+        if self.balancers is not None:
+            record.update(balance_moves, target_k=self.config.moe.target_k)
         return record
 
     def _layer_metrics(self, flat: List[float], seconds: float, items: float) -> Dict:

@@ -54,6 +54,22 @@ CASES = [
     ("negative-steps", _set("train.max_steps=-3"), None, ["train.max_steps (-3)", ">= 0"]),
     ("moe-field-named-with-section", _set("moe.router=top_k", "moe.top_k=9"), None, ["moe.top_k (9)"]),
     ("keep-no-checkpoints", _set("output.keep_checkpoints=0"), None, ["output.keep_checkpoints (0)"]),
+    # the compute budget and the balance rule (moe/balance.py)
+    ("budget-above-experts", _set("moe.target_k=9"), None, ["moe.target_k (9", "num_experts (8)"]),
+    ("budget-negative", _set("moe.target_k=-1"), None, ["moe.target_k (-1", "(0, num_experts (8)]"]),
+    (
+        "bias-without-choice-scores",
+        _set("moe.router=top_p", "moe.balance=bias"),
+        None,
+        ["moe.balance ('bias')", "top_p"],
+    ),
+    ("unknown-balance", _set("moe.balance=aux"), None, ["moe.balance ('aux')", "bias"]),
+    (
+        "budget-against-calibration",
+        _set("moe.target_k=1.5", "moe.calibrate_k=2"),
+        None,
+        ["moe.calibrate_k (2) != target_k (1.5)"],
+    ),
     # task names
     ("unknown-task", _set("task.name=cifar"), None, ["task.name ('cifar')", "synthetic", "vit-mnist", "jsonl"]),
     # model shapes that cannot be built

@@ -60,5 +60,8 @@ def test_a_converted_run_starts_at_the_models_k_with_its_own_loads(tmp_path):
         assert not torch.equal(layer.router.threshold, torch.zeros_like(layer.router.threshold))
     half = Trainer(load_config(None, settings + ["moe.calibrate_k=1"]))
     assert all(abs(layer["mean_k"] - 1.0) < 0.05 for layer in calibrate_converted(half)["layers"])
+    budget = calibrate_converted(Trainer(load_config(None, settings + ["moe.target_k=1.5"])))
+    assert budget["target_k"] == 1.5  # a compute budget: the calibration starts at it
+    assert all(abs(layer["mean_k"] - 1.5) < 0.05 for layer in budget["layers"]), budget["layers"]
     native = Trainer(load_config(None, settings[:5]))
     assert calibrate_converted(native) is None  # its own routing: nothing to calibrate

@@ -77,6 +77,15 @@ def test_options_the_import_decides_are_refused_by_name(tmp_path, text_file_here
         load_config(None, run_settings(directory, text_file_here, "moe.router='top_any'", "moe.calibrate_k=7"))
     with pytest.raises(ValueError, match=r"^model.moe_layers \(\[0\]\) != the MoE blocks \[1, 2\]"):
         load_config(None, run_settings(directory, text_file_here, "model.moe_layers=[0]"))
+    # Qwen3-MoE's router has no correction bias for the balance rule to move (DeepSeek-V3's has: below)
+    with pytest.raises(ValueError, match=r"^moe.balance \('bias'\) needs a correction bias .*: model.path"):
+        load_config(None, run_settings(directory, text_file_here, "moe.balance='bias'"))
+    assert load_config(None, run_settings(directory, text_file_here, "moe.router='top_k'", "moe.balance='bias'"))
+
+
+def test_deepseek_v3_may_run_its_own_balance_rule(tmp_path, text_file_here):
+    directory, _ = save_moe_checkpoint("deepseek_v3", tmp_path / "ds")
+    assert load_config(None, run_settings(directory, text_file_here, "moe.balance='bias'")).moe.balance == "bias"
 
 
 def test_an_unsupported_moe_family_is_named_with_the_supported_ones(tmp_path, text_file_here):

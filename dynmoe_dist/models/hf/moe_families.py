@@ -378,6 +378,8 @@ class ImportedMoE:
     num_experts: int
     top_k: int
     sparse_layers: Tuple[int, ...]
+    correction_bias: bool = False
+    """The native router has a choice-only bias (DeepSeek-V3's e_score_correction_bias): moe.balance 'bias' moves it."""
 
 
 def imported_moe(directory: Path, field: str = "model.path") -> Optional[ImportedMoE]:
@@ -397,4 +399,5 @@ def imported_moe(directory: Path, field: str = "model.path") -> Optional[Importe
 
     family = family_of(AutoConfig.from_pretrained(str(directory), local_files_only=True))
     top_k = int(family.config.num_experts_per_tok)
-    return ImportedMoE(model_type, family.num_experts(), top_k, tuple(family.sparse_layers()))
+    correction = family.rule().correction_bias
+    return ImportedMoE(model_type, family.num_experts(), top_k, tuple(family.sparse_layers()), correction)

@@ -1,0 +1,156 @@
+"""Out-of-gradient controllers (moe/balance.py): the compute budget on top-any thresholds (moe.target_k) and
+DeepSeek-V3's auxiliary-loss-free balance (moe.balance = 'bias'): the rules by hand, the routers' choice
+bias, and small runs in which the budget holds the mean k and the bias rule lowers the load's spread."""
+
+import pytest
+import torch
+
+from dynmoe_dist.moe.balance import (
+    MAX_SHIFT,
+    Balancers,
+    LayerBalance,
+    balance_moves,
+    budget_shift,
+    measured_slope,
+)
+from dynmoe_dist.moe.config import MoEConfig
+from dynmoe_dist.moe.layer import MoELayer
+from dynmoe_dist.moe.routing import NativeRule, top_k
+
+
+def test_the_bias_moves_against_the_load_and_sum_to_zero():
+    # loads 6, 2, 0, 4 (mean 3): signs -1, +1, +1, -1 times 0.1, already mean zero
+    assert balance_moves(torch.tensor([6.0, 2.0, 0.0, 4.0]), 0.1).tolist() == pytest.approx([-0.1, 0.1, 0.1, -0.1])
+    # loads 3, 3, 6 (mean 4): +r, +r, -r, re-centred by r/3 -> 2r/3, 2r/3, -4r/3
+    moves = balance_moves(torch.tensor([3.0, 3.0, 6.0]), 0.3)
+    assert moves.tolist() == pytest.approx([0.2, 0.2, -0.4]) and moves.sum().item() == pytest.approx(0.0)
+    # an even load does not move
+    assert balance_moves(torch.tensor([5.0, 5.0]), 0.1).tolist() == [0.0, 0.0]
+
+
+def test_the_budget_takes_half_a_newton_step_on_the_measured_slope():
+    # 0.4 pairs per token within +-0.01 of their thresholds: slope 20; k 3 against 2: half of 1/20 = 0.025
+    assert measured_slope(0.4) == pytest.approx(20.0)
+    assert budget_shift(3.0, 2.0, 20.0) == pytest.approx(0.025)
+    assert budget_shift(1.5, 2.0, 20.0) == pytest.approx(-0.0125)  # too few experts: thresholds go down
+    assert budget_shift(3.0, 2.0, 5.0) == MAX_SHIFT  # slope 5 asks 0.1: at most MAX_SHIFT a step
+    assert budget_shift(3.0, 2.0, 0.0) == MAX_SHIFT and budget_shift(1.0, 2.0, 0.0) == -MAX_SHIFT  # slope unknown
+    assert budget_shift(2.0, 2.0, 0.0) == 0.0
+
+
+def test_top_k_chooses_by_the_biased_probabilities_and_weighs_by_the_plain_ones():
+    # probs 0.5, 0.3, 0.2; a bias of +0.15 on expert 2 makes it outrank expert 1 (0.35 > 0.3): top-2 = {0, 2},
+    # weights 0.5 and 0.2 renormalised (5/7, 2/7), the bias in neither
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    routing = top_k(logits, 2, torch.tensor([0.0, 0.0, 0.15]))
+    assert routing.mask.tolist() == [[True, False, True]]
+    assert routing.weights[0].tolist() == pytest.approx([5 / 7, 0.0, 2 / 7])
+    assert top_k(logits, 2).mask.tolist() == [[True, True, False]]  # no bias: the plain top-2
+
+
+def _counted(layer, x_TD, balance):
+    layer.train()
+    layer(x_TD)
+    return balance.counts.tolist()
+
+
+def test_a_top_k_layer_moves_its_choice_bias_from_the_summed_counts():
+    layer = MoELayer(MoEConfig(dim=4, ffn_dim=4, num_experts=3, router="top_k", top_k=1, balance="bias"))
+    with torch.no_grad():  # every token prefers expert 0: counts 5, 0, 0
+        layer.router.weight.copy_(torch.tensor([[5.0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]))
+    balance = LayerBalance(layer, layer.config)
+    layer.routing_observers.append(balance)
+    counts = _counted(layer, torch.ones(5, 4), balance)
+    assert counts == [5.0, 0.0, 5.0, 0.0, 0.0]  # tokens, (no budget: no near pairs), counts per expert
+    balance.update(counts)
+    # mean load 5/3: -r, +r, +r re-centred by r/3: -4r/3, 2r/3, 2r/3 with r = 0.001
+    assert layer.router.choice_bias.tolist() == pytest.approx([-0.004 / 3, 0.002 / 3, 0.002 / 3])
+    layer.router.resize([2, 0], torch.zeros(1, 4))  # events slice the bias with the experts; a new one starts at 0
+    assert layer.router.choice_bias.tolist() == pytest.approx([0.002 / 3, -0.004 / 3, 0.0])
+
+
+def test_a_deepseek_router_moves_its_correction_bias_and_others_refuse_the_rule():
+    rule = NativeRule(top_k=1, scores="sigmoid", correction_bias=True)
+    layer = MoELayer(MoEConfig(dim=4, ffn_dim=4, num_experts=2, router="native", balance="bias"), rule=rule)
+    with torch.no_grad():
+        layer.router.e_score_correction_bias.copy_(torch.tensor([0.5, 0.25]))  # the checkpoint's values
+    balance = LayerBalance(layer, layer.config)
+    balance.update([4.0, 0.0, 3.0, 1.0])
+    # loads 3, 1: -r, +r (mean zero already): the checkpoint's bias moves, its mean stays
+    assert layer.router.e_score_correction_bias.tolist() == pytest.approx([0.499, 0.251])
+    with pytest.raises(ValueError, match=r"balance \('bias'\) needs choice scores to bias"):
+        MoELayer(MoEConfig(dim=4, num_experts=2, router="native", balance="bias"), rule=NativeRule(top_k=1))
+    assert Balancers.for_layers([MoELayer(MoEConfig(dim=4, num_experts=2))], MoEConfig(dim=4)) is None  # off
+
+
+def test_top_any_moves_every_threshold_by_the_budget_and_each_against_its_load():
+    config = MoEConfig(dim=2, ffn_dim=4, num_experts=2, target_k=1.0, balance="bias", balance_rate=0.01)
+    layer = MoELayer(config)
+    with torch.no_grad():
+        layer.router.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
+        layer.router.threshold.zero_()
+    balance = LayerBalance(layer, config)
+    layer.routing_observers.append(balance)
+    # cosines to (1, 0) and (0, 1): token 0 (1, 1): 0.707 both; token 1 (1, -0.005): 1.0 and -0.005 (within 0.01
+    # of threshold 0: a near pair); token 2 (1, 0.02): 0.9998 and 0.02 (chosen, not near)
+    x_TD = torch.tensor([[1.0, 1.0], [1.0, -0.005], [1.0, 0.02]])
+    counts = _counted(layer, x_TD, balance)
+    assert counts == [3.0, 1.0, 3.0, 2.0]  # 3 tokens, 1 near pair, expert loads 3 and 2: mean k 5/3
+    balance.update(counts)
+    # budget: slope 1/3 / 0.02 = 16.7, shift 0.5 * (5/3 - 1) / 16.7 = 0.02; balance: loads 3, 2 -> +0.01, -0.01
+    assert layer.router.threshold.tolist() == pytest.approx([0.02 + 0.01, 0.02 - 0.01])
+
+
+def _run(*settings, steps=60, batch=16):
+    """A tiny float64 top-any (or top-k) run of two MoE layers of 8 experts: the step records."""
+    from dynmoe_dist.config import load_config
+    from dynmoe_dist.train.loop import Trainer
+
+    base = [
+        "task.num_samples=400",
+        "task.max_len=16",
+        "model.dim=32",
+        "model.num_heads=2",
+        "model.ffn_dim=32",
+        "model.num_layers=2",
+        "model.moe_layers=[0, 1]",
+        "moe.num_experts=8",
+        f"train.global_batch_size={batch}",
+        f"train.max_steps={steps}",
+        "train.precision='float64'",
+    ]
+    trainer = Trainer(load_config(None, base + list(settings)))
+    return [trainer.train_step() for _ in range(steps)]
+
+
+@pytest.mark.parametrize("target_k", [1.25, 2.0])
+def test_the_budget_holds_the_mean_k_within_3_percent_over_every_window(target_k):
+    """Top-any starts at k ~ 3.5 (thresholds 0); after 10 steps of warm-up every 10-step window's mean k
+    (tokens of all steps together) is within 3 % of the target in every layer, and the record says what the
+    controller did. (512 tokens a step: one step's k varies by about 5 % with its batch.)"""
+    records = _run(f"moe.target_k={target_k}", batch=32)
+    assert records[0]["mean_k"][0] > 3 and records[0]["target_k"] == target_k
+    assert len(records[0]["threshold_shift"]) == 2 and records[0]["threshold_shift"][0] > 0  # raised at first
+    for start in range(10, 60, 10):
+        for layer in range(2):
+            window = [r["mean_k"][layer] for r in records[start : start + 10]]  # equal tokens per step
+            assert abs(sum(window) / len(window) - target_k) < 0.03 * target_k, (start, layer, window)
+
+
+def _mean_cv(records):
+    return sum(sum(r["load_cv"]) / len(r["load_cv"]) for r in records) / len(records)
+
+
+def test_the_bias_rule_lowers_the_load_spread_without_an_aux_loss():
+    """Top-k without any aux loss: DeepSeek's rule at its default rate brings the load's coefficient of
+    variation of the last 30 steps well below the same run's without it. Top-any with a budget: the rule
+    lowers it too, and the mean k stays at the budget."""
+    plain = _run("moe.router='top_k'", "moe.aux_loss_weight=0")
+    biased = _run("moe.router='top_k'", "moe.aux_loss_weight=0", "moe.balance='bias'")
+    assert _mean_cv(biased[30:]) < 0.6 * _mean_cv(plain[30:]), (_mean_cv(biased[30:]), _mean_cv(plain[30:]))
+    assert max(biased[-1]["bias_spread"]) > 0
+    budget = _run("moe.target_k=2.0")
+    balanced = _run("moe.target_k=2.0", "moe.balance='bias'", "moe.balance_rate=0.01")
+    assert _mean_cv(balanced[30:]) < 0.6 * _mean_cv(budget[30:]), (_mean_cv(balanced[30:]), _mean_cv(budget[30:]))
+    k_last = [sum(r["mean_k"]) / 2 for r in balanced[30:]]
+    assert abs(sum(k_last) / len(k_last) - 2.0) < 0.06
