@@ -78,6 +78,8 @@ LAYERS = [
     dict(router="top_any", expert_kind="gpt_oss", swiglu_alpha=1.3, swiglu_limit=0.4, combine="softmax"),
     dict(router="top_any", expert_kind="ffn", activation="gelu_tanh", expert_bias=True, eval_k0="skip"),
     dict(router="top_k", expert_kind="ffn", activation="gelu", expert_bias=True, top_k=2),
+    # a run balanced by DeepSeek's rule: the choice bias it left travels and chooses in the export too
+    dict(router="top_k", expert_kind="gated", activation="silu", expert_bias=False, top_k=2, balance="bias"),
     dict(router="top_p", expert_kind="gated", activation="relu", expert_bias=True, top_p=0.5),
 ]
 
@@ -89,8 +91,10 @@ def layer_pair(options):
     with torch.no_grad():
         for p in layer.experts.parameters():
             p.normal_(0, 0.3)
+        if getattr(layer.router, "choice_bias", None) is not None:
+            layer.router.choice_bias.copy_(torch.linspace(0.1, -0.1, E))  # outweighs the probabilities' spread
     section_moe = {"router": config.router, "train_k0": config.train_k0, "eval_k0": config.eval_k0}
-    section_moe.update(top_k=config.top_k, top_p=config.top_p, combine=config.combine)
+    section_moe.update(top_k=config.top_k, top_p=config.top_p, combine=config.combine, balance=config.balance)
     twin = remote.DynMoELayer(E, D, expert_spec(config), section_moe).double()
     twin.load_state_dict(layer.state_dict(), strict=True)  # the same keys, none missing or extra
     return layer, twin

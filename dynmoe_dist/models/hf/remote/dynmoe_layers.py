@@ -93,10 +93,12 @@ def top_any(
     return mask_TE, weights_TE
 
 
-def top_k(logits_TE: Tensor, k: int) -> Tuple[Tensor, Tensor]:
-    """Softmax, keep the k largest, renormalise the kept probabilities."""
+def top_k(logits_TE: Tensor, k: int, choice_bias_E: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """Softmax, keep the k largest (of the probabilities plus the choice bias a run balanced by 'bias' left),
+    renormalise the kept probabilities."""
     probs_TE = torch.softmax(logits_TE.to(gate_dtype(logits_TE)), dim=-1)
-    index_TK = probs_TE.topk(k, dim=-1).indices
+    choice_TE = probs_TE if choice_bias_E is None else probs_TE.detach() + choice_bias_E.to(probs_TE.dtype)
+    index_TK = choice_TE.topk(k, dim=-1).indices
     mask_TE = torch.zeros_like(probs_TE, dtype=torch.bool).scatter_(-1, index_TK, True)
     kept_TE = probs_TE * mask_TE
     return mask_TE, kept_TE / kept_TE.sum(dim=-1, keepdim=True)
@@ -119,6 +121,8 @@ class DynMoERouter(nn.Module):
         self.options = options
         self.weight = nn.Parameter(torch.zeros(num_experts, dim))
         self.threshold = nn.Parameter(torch.zeros(num_experts)) if options["router"] == "top_any" else None
+        biased = options["router"] == "top_k" and options.get("balance", "off") == "bias"
+        self.register_buffer("choice_bias", torch.zeros(num_experts) if biased else None)
 
     def forward(self, x_TD: Tensor) -> Tuple[Tensor, Tensor]:
         if self.threshold is not None:
@@ -129,7 +133,7 @@ class DynMoERouter(nn.Module):
         dtype = torch.promote_types(gate_dtype(x_TD), self.weight.dtype)
         logits_TE = x_TD.to(dtype) @ self.weight.to(dtype).t()
         if self.options["router"] == "top_k":
-            return top_k(logits_TE, int(self.options["top_k"]))
+            return top_k(logits_TE, int(self.options["top_k"]), self.choice_bias)
         return top_p(logits_TE, float(self.options["top_p"]))
 
 
