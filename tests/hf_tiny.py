@@ -209,6 +209,28 @@ def save_tokenizer(directory):
     return len(vocab)
 
 
+# A small chat template for the word-level tokenizer (it has none of its own): every turn between role and
+# end-of-turn special tokens, the generation prompt the assistant's role token.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+CHAT_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+
+
+def save_chat_tokenizer(directory, template=CHAT_TEMPLATE):
+    """The word-level tokenizer with role and end-of-turn special tokens and CHAT_TEMPLATE (None: without a
+    template); returns the vocabulary size."""
+    from transformers import AutoTokenizer
+
+    save_tokenizer(directory)
+    tok = AutoTokenizer.from_pretrained(str(directory))
+    tok.add_special_tokens({"additional_special_tokens": CHAT_TOKENS})
+    tok.chat_template = template
+    tok.save_pretrained(directory)
+    return len(tok)
+
+
 def save_llama(directory, vocab_size):
     return save_tiny("llama", directory, vocab_size)
 

@@ -47,7 +47,7 @@ class TaskConfig:
     max_len: int = 32
     """Tokens per sample. Text classification (minilm-sentiment, jsonl, synthetic): longer texts are
     truncated. causal-lm: the length of every training sequence cut from the token stream (the cache is
-    keyed by it)."""
+    keyed by it). chat: the length of the sequences conversations are packed into; a longer one is dropped."""
     num_samples: int = 0
     """Use only this many samples of the task's data (0 = all): quick runs and tests."""
     seed: int = 1234
@@ -61,6 +61,9 @@ class TaskConfig:
     """'causal-lm': directory of the token cache ('' = $DYNMOE_TOKEN_CACHE, else ~/.cache/dynmoe_dist/tokens)."""
     prepare_workers: int = 0
     """'causal-lm': processes that tokenise a corpus not yet in the cache (0 = one per CPU core, at most 8)."""
+    chat_template: str = ""
+    """'chat': a .jinja file with the chat template the conversations are rendered with; '' = the tokenizer's
+    own (a tokenizer without one needs this)."""
 
     def __post_init__(self):
         _require(0.0 < self.test_fraction < 1.0, f"task.test_fraction ({self.test_fraction}) must be in (0, 1)")
@@ -68,6 +71,10 @@ class TaskConfig:
         _require(self.num_samples >= 0, f"task.num_samples ({self.num_samples}) must be >= 0")
         _require(self.prepare_workers >= 0, f"task.prepare_workers ({self.prepare_workers}) must be >= 0")
         _require(bool(self.text_field), "task.text_field ('') must name the column that holds the text")
+        _require(
+            not self.chat_template or self.chat_template.endswith(".jinja"),
+            f"task.chat_template ({self.chat_template!r}) must be a .jinja file ('' = the tokenizer's own template)",
+        )
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """`python -m dynmoe_dist.data prepare`: tokenise a corpus into the token cache ahead of training.
 
     python -m dynmoe_dist.data prepare --config RUN.toml [--set task.path=...]   # the run's task.path
-                                                                               # (and task.test_path)
+                                                                               # (and task.test_path);
+                                                                               # task 'causal-lm' or 'chat'
     python -m dynmoe_dist.data prepare --path CORPUS --tokenizer MODEL --max-len 512 [--text-field text]
 
 A run with the same corpus, tokenizer, task.max_len and task.text_field then reuses the entry (and
@@ -43,12 +44,13 @@ def parser() -> argparse.ArgumentParser:
 
 def specs_from_config(args) -> List[CorpusSpec]:
     from ..config import load_config
-    from ..tasks.causal_lm import corpus_spec
+    from ..tasks import causal_lm, chat
 
     config = load_config(args.config, args.overrides)
-    if config.task.name != "causal-lm":
-        raise ValueError(f"task.name ({config.task.name!r}) must be 'causal-lm' to prepare a token cache")
-    task = config.task
+    specs_of = {"causal-lm": causal_lm.corpus_spec, "chat": chat.corpus_spec}
+    if config.task.name not in specs_of:
+        raise ValueError(f"task.name ({config.task.name!r}) must be one of {sorted(specs_of)} to prepare a token cache")
+    corpus_spec, task = specs_of[config.task.name], config.task
     found = [corpus_spec(task, task.path, "task.path")]
     return found + ([corpus_spec(task, task.test_path, "task.test_path")] if task.test_path else [])
 

@@ -4,6 +4,7 @@ An entry CACHE_DIR/<key>/ holds
   tokens.bin   the corpus' token stream, uint32, documents in file order, each followed by EOS when the
                tokenizer has one (memory-mapped by every rank, never read whole);
   docs.npy     int64 document offsets into tokens.bin (D + 1 of them: document d is [off[d], off[d+1]));
+  loss_tokens.npy  (format 'chat' only) int64 targets of each conversation: its assistant tokens (data/chat.py);
   index.json   what the entry was made from (the key's inputs), counts, sizes and xxh3 checksums.
 It is built in a temporary directory next to it and renamed into place, so an entry either exists
 whole or not at all; a lock file makes concurrent starts (every rank of a job) build it once.
@@ -31,6 +32,7 @@ import numpy as np
 FORMAT = 1
 TOKEN_DTYPE = np.dtype(np.uint32)
 TAIL_BYTES = 1 << 20
+LOSS_FILE = "loss_tokens.npy"
 # How long a start waits for another process that is building the same entry. flock is released when
 # its holder dies, so this bounds only a build that is alive and slow.
 WAIT_S = float(os.environ.get("DYNMOE_PREPARE_WAIT_S", 6 * 3600))
@@ -108,8 +110,10 @@ def file_problem(entry: Path, index: Dict[str, Any], full: bool) -> Optional[str
     size = tokens.stat().st_size if tokens.exists() else -1
     if size != want:
         return f"tokens.bin is truncated or damaged ({size} bytes, index.json says {want})"
-    if not (entry / "docs.npy").exists() or xxh3_of(entry / "docs.npy") != index["docs_xxh3"]:
-        return "docs.npy does not match its checksum"
+    for name, key in (("docs.npy", "docs_xxh3"), (LOSS_FILE, "loss_xxh3")):
+        required = name == "docs.npy" or key in index
+        if required and (not (entry / name).exists() or xxh3_of(entry / name) != index.get(key)):
+            return f"{name} does not match its checksum"
     if xxh3_of(tokens, *tail_range(size)) != index["tail_xxh3"]:
         return "the end of tokens.bin does not match its checksum"
     if full and xxh3_of(tokens) != index["tokens_xxh3"]:
@@ -189,6 +193,8 @@ class TokenCorpus:
         # np.memmap refuses a zero-length map; an entry always holds tokens (prepare refuses an empty corpus)
         self.tokens = np.memmap(entry / "tokens.bin", dtype=TOKEN_DTYPE, mode="r", shape=(num_tokens,))
         self.doc_offsets = np.load(entry / "docs.npy", mmap_mode="r")
+        self.loss_tokens = np.load(entry / LOSS_FILE, mmap_mode="r") if "loss_xxh3" in self.index else None
+        """Targets of each conversation (format 'chat'); None for text."""
 
     @property
     def num_docs(self) -> int:
@@ -201,6 +207,20 @@ class TokenCorpus:
     @property
     def vocab_size(self) -> int:
         return int(self.index["vocab_size"])
+
+    def where(self, doc: int) -> str:
+        """'file:line' (JSON lines) or 'file: row R' of document ``doc`` (format 'chat' records its files' rows)."""
+        from .sources import row_name
+
+        ends_F = np.cumsum(self.index["file_docs"])
+        file = int(np.searchsorted(ends_F, doc, side="right"))
+        return row_name(Path(self.index["files"][file]), doc - int(ends_F[file - 1] if file else 0))
+
+    def packed(self, doc_ids_D, seq_len: int):
+        from .packed import PackedExamples
+
+        assert self.loss_tokens is not None, "packed conversations need a 'chat' entry"
+        return PackedExamples(self.tokens, self.doc_offsets, self.loss_tokens, doc_ids_D, seq_len)
 
     def windows(self, doc_ids_D, seq_len: int):
         from .windows import TokenWindows

@@ -17,12 +17,14 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..paths import missing
 from .cache import (
     FORMAT,
+    LOSS_FILE,
     TOKEN_DTYPE,
     TokenCorpus,
     build_lock,
@@ -34,7 +36,7 @@ from .cache import (
     xxh3_of,
 )
 from .fingerprint import DigestMemo, tokenizer_fingerprint
-from .sources import BUILTIN_CORPORA, corpus_files, load_documents
+from .sources import BUILTIN_CORPORA, corpus_files, load_documents, load_records, row_name
 
 # Below this many documents a file is tokenised in the calling process: starting workers costs more.
 MIN_DOCS_PER_WORKER = 2000
@@ -57,6 +59,11 @@ class CorpusSpec:
     """Tokenising worker processes; 0 = one per CPU core, at most 8."""
     field: str = "task.path"
     """The option ``path`` came from, for messages."""
+    format: str = "text"
+    """'text': documents of text_field, EOS after each (causal-lm); 'chat': conversations rendered with the chat
+    template, the assistant's tokens marked (data/chat.py)."""
+    chat_template: str = ""
+    """format 'chat': a .jinja file with the chat template; '' = the tokenizer's own."""
 
     def root(self) -> Path:
         return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
@@ -70,6 +77,7 @@ def key_inputs(spec: CorpusSpec, files: List[Path], memo: DigestMemo) -> Dict[st
         "tokenizer": tokenizer_fingerprint(spec.tokenizer, memo),
         "max_len": spec.max_len,
         "text_field": spec.text_field,
+        **(chat_key_inputs(spec) if spec.format == "chat" else {}),
     }
 
 
@@ -129,17 +137,92 @@ def _tokenise(batch: Dict[str, List[str]], tokenizer_path: str, eos: int) -> Dic
     return {"ids": [row + [eos] for row in ids] if eos >= 0 else ids}
 
 
+def chat_template_text(spec: CorpusSpec) -> str:
+    """The chat template a 'chat' corpus is rendered with: task.chat_template's file, else the tokenizer's."""
+    if spec.chat_template:
+        path = Path(spec.chat_template).expanduser()
+        if not path.is_file():
+            raise missing("task.chat_template", spec.chat_template)
+        return path.read_text(encoding="utf-8")
+    own = _tokenizer(spec.tokenizer).chat_template
+    if not own:
+        raise ValueError(
+            f"task.tokenizer ({spec.tokenizer!r}) has no chat template; set task.chat_template to a .jinja file "
+            "(launcher/configs/chat_template.jinja is a small one)"
+        )
+    return own if isinstance(own, str) else json.dumps(own, sort_keys=True)
+
+
+def chat_key_inputs(spec: CorpusSpec) -> Dict[str, Any]:
+    import xxhash
+
+    return {"format": "chat", "chat_template": xxhash.xxh3_128(chat_template_text(spec).encode()).hexdigest()}
+
+
+def _tokenise_chat(batch: Dict[str, List], tokenizer_path: str, template: Optional[str]) -> Dict[str, List]:
+    """Marked token ids of each conversation, its target count, and '' or what is wrong with the row (the
+    caller names the first bad row: an exception in a map worker would lose which one it was)."""
+    from .chat import loss_tokens, tokenise_record
+
+    tokenizer = _tokenizer(tokenizer_path)
+    rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+    out: Dict[str, List] = {"ids": [], "loss": [], "error": []}
+    for record in rows:
+        try:
+            ids, error = tokenise_record(tokenizer, template, record), ""
+        except ValueError as err:
+            ids, error = [], str(err)
+        out["ids"].append(ids)
+        out["loss"].append(loss_tokens(ids))
+        out["error"].append(error)
+    return out
+
+
+def tokenise_chat_file(records, file: Path, spec: CorpusSpec):
+    """Dataset of 'ids' and 'loss' per record, in row order; ValueError naming the first bad row."""
+    import datasets
+    import pyarrow.compute as pc
+
+    template = Path(spec.chat_template).expanduser().read_text(encoding="utf-8") if spec.chat_template else None
+    tokenised = records.map(
+        _tokenise_chat,
+        batched=True,
+        batch_size=MAP_BATCH,
+        num_proc=worker_count(spec, len(records)),
+        fn_kwargs={"tokenizer_path": spec.tokenizer, "template": template},
+        remove_columns=records.column_names,
+        features=datasets.Features(
+            {
+                "ids": datasets.Sequence(datasets.Value("uint32")),
+                "loss": datasets.Value("int64"),
+                "error": datasets.Value("string"),
+            }
+        ),
+    )
+    errors = tokenised.data.column("error")
+    bad = pc.not_equal(errors, "")
+    if pc.any(bad).as_py():
+        index = pc.index(bad, True).as_py()
+        raise ValueError(f"{row_name(file, index)}: {errors[index].as_py()}")
+    return tokenised
+
+
+def worker_count(spec: CorpusSpec, num_docs: int) -> Optional[int]:
+    """map's num_proc: None (the calling process) below MIN_DOCS_PER_WORKER documents per worker."""
+    num_proc = spec.num_proc or min(os.cpu_count() or 1, 8)
+    num_proc = max(1, min(num_proc, num_docs // MIN_DOCS_PER_WORKER))
+    return num_proc if num_proc > 1 else None
+
+
 def tokenise_file(docs, spec: CorpusSpec, eos: int):
     """A Dataset of one 'ids' column (uint32 lists), in row order."""
     import datasets
 
-    num_proc = spec.num_proc or min(os.cpu_count() or 1, 8)
-    num_proc = max(1, min(num_proc, len(docs) // MIN_DOCS_PER_WORKER))
     return docs.map(
         _tokenise,
         batched=True,
         batch_size=MAP_BATCH,
-        num_proc=num_proc if num_proc > 1 else None,
+        num_proc=worker_count(spec, len(docs)),
         fn_kwargs={"tokenizer_path": spec.tokenizer, "eos": eos},
         remove_columns=docs.column_names,
         features=datasets.Features({"ids": datasets.Sequence(datasets.Value("uint32"))}),
@@ -159,20 +242,39 @@ def append_tokens(tokenised, out, digest) -> List[np.ndarray]:
     return lengths
 
 
-def write_streams(spec: CorpusSpec, files: List[Path], build_dir: Path, eos: int) -> Tuple[np.ndarray, str]:
-    """tokens.bin of all files; (document offsets, xxh3 of tokens.bin)."""
+def tokenised(spec: CorpusSpec, file: Path, hf_cache: Path, eos: int):
+    """One file's Dataset with an 'ids' column (and 'loss', format 'chat'); None when it holds no rows."""
+    if spec.format == "chat":
+        records = load_records(file, hf_cache)
+        return tokenise_chat_file(records, file, spec) if len(records) else None
+    docs = load_documents(spec.path, file, spec.text_field, hf_cache)
+    # an empty file adds no documents (and map would give it no 'ids' column)
+    return tokenise_file(docs, spec, eos) if len(docs) else None
+
+
+def write_streams(
+    spec: CorpusSpec, files: List[Path], build_dir: Path, eos: int
+) -> Tuple[np.ndarray, str, Dict[str, Any]]:
+    """tokens.bin of all files (format 'chat': with loss_tokens.npy, the targets of each conversation);
+    (document offsets, xxh3 of tokens.bin, what index.json adds for the format)."""
     import xxhash
 
-    digest, lengths = xxhash.xxh3_64(), []
+    digest, lengths, loss, file_docs = xxhash.xxh3_64(), [], [], []
     with open(build_dir / "tokens.bin", "wb") as out:
         for file in files:
-            docs = load_documents(spec.path, file, spec.text_field, build_dir / "hf")
-            if len(docs):  # an empty file adds no documents (and map would give it no 'ids' column)
-                lengths += append_tokens(tokenise_file(docs, spec, eos), out, digest)
+            table = tokenised(spec, file, build_dir / "hf", eos)
+            file_docs.append(0 if table is None else len(table))
+            if table is not None:
+                lengths += append_tokens(table, out, digest)
+                loss += [np.asarray(table.data.column("loss"), dtype=np.int64)] if spec.format == "chat" else []
         out.flush()
         os.fsync(out.fileno())
+    extra: Dict[str, Any] = {}
+    if spec.format == "chat":
+        np.save(build_dir / LOSS_FILE, np.concatenate(loss) if loss else np.zeros(0, dtype=np.int64))
+        extra = {"loss_xxh3": xxh3_of(build_dir / LOSS_FILE), "file_docs": file_docs}
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
-    return np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(all_lengths)]), digest.hexdigest()
+    return np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(all_lengths)]), digest.hexdigest(), extra
 
 
 def build(spec: CorpusSpec, files: List[Path], inputs: Dict[str, Any], entry: Path) -> None:
@@ -186,7 +288,7 @@ def build(spec: CorpusSpec, files: List[Path], inputs: Dict[str, Any], entry: Pa
     build_dir.mkdir(parents=True)
     try:
         say(f"tokenising {spec.field} ({spec.path!r}, {len(files)} file(s)) into {entry}")
-        offsets, tokens_xxh3 = write_streams(spec, files, build_dir, eos)
+        offsets, tokens_xxh3, format_index = write_streams(spec, files, build_dir, eos)
         num_tokens = int(offsets[-1])
         if len(offsets) == 1 or num_tokens == 0:
             raise ValueError(f"{spec.field} ({spec.path!r}) holds no text ({len(files)} file(s), no documents)")
@@ -205,6 +307,7 @@ def build(spec: CorpusSpec, files: List[Path], inputs: Dict[str, Any], entry: Pa
             "tokens_xxh3": tokens_xxh3,
             "tail_xxh3": xxh3_of(build_dir / "tokens.bin", *tail_range(num_tokens * TOKEN_DTYPE.itemsize)),
             "docs_xxh3": xxh3_of(build_dir / "docs.npy"),
+            **format_index,
             "prepare_s": seconds,
             "tokens_per_s": num_tokens / max(seconds, 1e-9),
         }

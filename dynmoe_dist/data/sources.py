@@ -7,6 +7,8 @@ file becomes one ``datasets.Dataset`` with a single string column 'text', docume
   .jsonl    one JSON object per line, the document under ``task.text_field`` (the 'json' builder);
   .parquet  / .arrow  a table, the document in column ``task.text_field`` ('parquet' / 'arrow' builders;
             .arrow is the Arrow streaming format that ``datasets`` itself writes).
+A chat corpus (task 'chat', ``load_records``) is .jsonl / .parquet / .arrow of conversations, read as its
+'messages' or 'prompt' / 'completion' columns (data/chat.py says what a record holds).
 Everything is local: nothing is downloaded. A mistake in the data is a ValueError naming the file and
 the line (text formats, counted from 1) or row (tables, counted from 0).
 """
@@ -101,6 +103,39 @@ def load_documents(path_text: str, file: Path, text_field: str, hf_cache: Path) 
         raise
 
 
+def load_records(file: Path, hf_cache: Path) -> "Dataset":
+    """A chat file (data/chat.py): its 'messages' or 'prompt' / 'completion' columns, one row per conversation."""
+    from .chat import chat_columns
+
+    datasets = _datasets()
+    if file.suffix == ".txt":
+        raise ValueError(f"{file}: a chat corpus is .jsonl, .parquet or .arrow (a .txt line holds no conversation)")
+    if _is_blank_text_file(file):
+        return datasets.Dataset.from_dict({"messages": []})
+    try:
+        builder = BUILDERS[file.suffix]
+        table = datasets.load_dataset(builder, data_files=[str(file)], split="train", cache_dir=str(hf_cache))
+    except Exception as err:  # the builders raise pyarrow, pandas and datasets errors of many types
+        if file.suffix == ".jsonl":
+            first_bad_conversation_line(file)  # raises with the line number when it can find one
+        raise ValueError(f"{file}: not a readable {builder} file ({type(err).__name__}: {_first_line(err)})") from None
+    return table.select_columns(chat_columns(table.column_names, file))
+
+
+def first_bad_conversation_line(file: Path) -> None:
+    """Why a chat JSON lines file did not load, with its line number (called on failure only)."""
+    from .chat import conversation_of
+
+    with open(file, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    conversation_of(json_object(line, f"{file}:{number}"))
+                except ValueError as err:
+                    where = f"{file}:{number}"
+                    raise ValueError(str(err) if str(err).startswith(where) else f"{where}: {err}") from None
+
+
 def _parquet_has(file: Path, column: str) -> bool:
     """Whether the parquet schema (footer metadata only) has the column: then only that column is read
     (a table's other columns are not copied into the builder's cache); if not, the full read fails later
@@ -146,18 +181,18 @@ def _text_column(table: "Dataset", file: Path, text_field: str) -> "Dataset":
         raise ValueError(f"{file}: no column {text_field!r} (task.text_field); columns: {table.column_names}")
     column = table.data.column(text_field)
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-        where = _row(file, 0, text_field)
+        where = row_name(file, 0)
         first = column[0].as_py() if len(column) else None
         raise ValueError(f"{where}: {text_field!r} must be a string, got {column.type} ({first!r:.60})")
     nulls = pc.is_null(column)
     if pc.any(nulls).as_py():
         index = pc.index(nulls, True).as_py()
-        raise ValueError(f"{_row(file, index, text_field)}: {text_field!r} must be a string, got null")
+        raise ValueError(f"{row_name(file, index)}: {text_field!r} must be a string, got null")
     table = table.select_columns([text_field])
     return table.rename_column(text_field, TEXT_COLUMN) if text_field != TEXT_COLUMN else table
 
 
-def _row(file: Path, index: int, text_field: str) -> str:
+def row_name(file: Path, index: int) -> str:
     """'file:LINE' for JSON lines (the line of the index-th record, blank lines skipped), else 'file: row I'."""
     if file.suffix == ".jsonl":
         return f"{file}:{_line_of_record(file, index)}"

@@ -4,6 +4,7 @@ from typing import Dict
 
 from . import (
     causal_lm,  # noqa: F401  (registers 'causal-lm'; transformers is imported only when it is built)
+    chat,  # noqa: F401  (registers 'chat')
     synthetic,  # noqa: F401  (registers 'synthetic')
 )
 from .base import TASK_OPTIONS, TASK_SPECS, TASKS, Batch, Task, TaskSpec, register, split_indices

