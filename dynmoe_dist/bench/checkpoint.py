@@ -26,11 +26,10 @@ from pathlib import Path
 from typing import Dict, List
 
 import torch
-import torch.nn.functional as F
 
 from ..config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from ..moe import MoEConfig
-from .measure import emit_json, machine_info, measured_call, memory_process_env
+from .measure import emit_json, machine_info, measured_call, memory_process_env, next_token_step
 
 MIB = 2**20
 TARGET_SHARE, TARGET_CONSTANT_MIB = 1.2, 64.0
@@ -112,12 +111,7 @@ def rank_case(spec: Dict) -> Dict:
         parts = build_parts(config, model)
     groups, shards, optimizer = parts.groups, parts.experts.shards, parts.optimizer
     tokens = torch.randint(0, spec["shape"]["vocab"], (1, 17), generator=torch.Generator().manual_seed(1))
-    out = model(tokens[:, :-1])
-    (F.cross_entropy(out.logits.flatten(0, 1), tokens[:, 1:].flatten()) + out.aux_loss).backward()
-    parts.grad_sync.sync(shards)
-    optimizer.step()  # the Adam state exists from here on
-    optimizer.zero_grad(set_to_none=True)
-    del out
+    next_token_step(parts, tokens)()  # the trainer's step: the Adam state exists from here on
 
     params = dense_named_parameters(model, shards)
     state = dense_state_dict(params, optimizer)

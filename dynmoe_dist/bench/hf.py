@@ -30,14 +30,20 @@ from typing import Dict, List, TypedDict
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from ..moe import MoEConfig
 from ..moe.layer import find_moe_layers
 from ..parallel.groups import barrier
 from ..parallel.simulate import run_simulated
-from .measure import machine_info, memory_supported, peak_rss_above_baseline_mb
+from .measure import (
+    GradientsAtStep,
+    machine_info,
+    memory_supported,
+    next_token_step,
+    peak_rss_above_baseline_mb,
+    state_mib,
+)
 
 TARGETS = {"moe_over_dense_step_time": 1.3}
 
@@ -63,7 +69,6 @@ SMOLLM2 = LlamaShape(
     tie_word_embeddings=True,
     max_position_embeddings=2048,
 )
-MIB = 2**20
 
 
 def dense_llama(num_layers: int, **shape) -> nn.Module:
@@ -100,19 +105,8 @@ def active_parameters(model: nn.Module) -> int:
     return total
 
 
-def _mib(tensors) -> float:
-    return sum(t.numel() * t.element_size() for t in tensors) / MIB
-
-
-def state_mib(model: nn.Module, optimizer) -> float:
-    params = list(model.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
-    state = [v for p in params for k, v in optimizer.state.get(p, {}).items() if torch.is_tensor(v) and k != "step"]
-    return round(_mib(params) + _mib(grads) + _mib(state), 2)
-
-
 class Case:
-    """One model on this rank, assembled by build_parts; ``step()`` trains once."""
+    """One model on this rank, assembled by build_parts; ``step()`` trains once, as the trainer does."""
 
     def __init__(self, hf_model: nn.Module, config: RunConfig, tokens_BL: torch.Tensor, vocab: int = 0):
         from ..models.build import hf_causal_lm_from
@@ -124,16 +118,11 @@ class Case:
         model = hf_causal_lm_from(hf_model, config.model, config.moe, needs)
         self.active_parameters = active_parameters(model)  # before expert parallelism keeps this rank's experts
         self.parts = build_parts(config, model)
-        self.tokens_BL = tokens_BL
+        self.gradients = GradientsAtStep(self.parts.optimizer, {"all": list(self.parts.model.parameters())})
+        self.step = next_token_step(self.parts, tokens_BL)  # the trainer's step (train/step.py)
 
-    def step(self) -> None:
-        parts = self.parts
-        parts.optimizer.zero_grad(set_to_none=True)
-        out = parts.model(self.tokens_BL[:, :-1])
-        loss = F.cross_entropy(out.logits.flatten(0, 1), self.tokens_BL[:, 1:].flatten()) + out.aux_loss
-        loss.backward()
-        parts.grad_sync.sync(parts.experts.shards)
-        parts.optimizer.step()
+    def state_mib(self) -> float:
+        return state_mib(self.parts.model, self.parts.optimizer, self.gradients)
 
 
 def rank_case(spec: Dict) -> Dict:
@@ -170,7 +159,7 @@ def rank_case(spec: Dict) -> Dict:
         "active_parameters": active,
         "step_s": times,
         "step_peak_rss_mib": peaks,
-        "state_mib": {name: state_mib(case.parts.model, case.parts.optimizer) for name, case in cases.items()},
+        "state_mib": {name: case.state_mib() for name, case in cases.items()},
     }
 
 

@@ -17,7 +17,8 @@ sequences of --seq-len random tokens, the same for both.
                 default) and ``"grouped_mm"`` (torch._grouped_mm).
 
 The two sides run one after the other, never at the same time (2 cores). Each takes 2 untimed steps, then
---steps timed ones; a step is zero_grad, forward, loss, backward, (ours: gradient sync) and the AdamW step.
+--steps timed ones; a step is forward, loss, backward, (ours: gradient sync), the AdamW step and zero_grad
+(ours: the trainer's step, train/step.py).
 A step's time is the slowest rank's (after a barrier); the figure is the median over steps. ``cpu_s`` is
 the process CPU time of a step summed over ranks (all threads, gloo's included), steadier than wall time on
 a shared machine. Memory per rank, in MiB: ``state`` = parameters + gradients + AdamW state held, and
@@ -45,7 +46,14 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from ..config import RunConfig, from_dict, imported_moe_defaults, resolve_num_layers
-from .measure import emit_json, machine_info, memory_supported, peak_rss_above_baseline_mb
+from .measure import (
+    GradientsAtStep,
+    emit_json,
+    machine_info,
+    memory_supported,
+    peak_rss_above_baseline_mb,
+    state_mib,
+)
 from .moe_checkpoint import Qwen3MoeShape, write_checkpoint
 from .step_profile import profile_steps
 
@@ -63,14 +71,6 @@ def global_tokens(spec: Dict) -> torch.Tensor:
     """The global batch (B, L), the same for both sides."""
     g = torch.Generator().manual_seed(spec["seed"])
     return torch.randint(0, spec["vocab"], (spec["batch"], spec["seq_len"]), generator=g)
-
-
-def state_mib(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
-    """Parameters + gradients + AdamW state (exp_avg, exp_avg_sq) this process holds."""
-    params = list(model.parameters())
-    tensors = params + [p.grad for p in params if p.grad is not None]
-    tensors += [v for p in params for k, v in optimizer.state.get(p, {}).items() if torch.is_tensor(v) and k != "step"]
-    return round(sum(t.numel() * t.element_size() for t in tensors) / MIB, 2)
 
 
 class Timed:
@@ -109,14 +109,16 @@ def transformers_side(spec: Dict) -> Dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     tokens = global_tokens(spec)
 
-    def step() -> float:
-        optimizer.zero_grad(set_to_none=True)
+    gradients = GradientsAtStep(optimizer, {"all": list(model.parameters())})
+
+    def step() -> float:  # the baseline's own step, freeing its gradients after it as ours does
         with record_function("phase: forward"):
             loss = model(input_ids=tokens, labels=tokens).loss
         with record_function("phase: backward"):
             loss.backward()
         with record_function("phase: optimizer"):
             optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
 
     side = Timed(step, barrier=lambda: None)
@@ -129,7 +131,7 @@ def transformers_side(spec: Dict) -> Dict:
         "wall": side.wall,
         "cpu": side.cpu,
         "first_loss": side.first_loss,
-        "state_mib": state_mib(model, optimizer),
+        "state_mib": state_mib(model, optimizer, gradients),
         "step_peak_rss_mib": side.peak_mib,
         "profile": profile_steps(step, model) if spec["profile"] else None,
     }
@@ -151,23 +153,19 @@ def run_config(directory: str, expert_compute: str) -> RunConfig:
 
 
 def ours_step(parts, tokens_BL: torch.Tensor, num_predictions: int) -> Callable[[], float]:
-    """A training step on this rank's sequences: the loss is its share of the global mean (summed token
-    losses / the global count), as the trainer makes it. Returns that share."""
+    """The trainer's step (train/step.py) on this rank's sequences: the whole sequences in, as transformers'
+    side, the next tokens as targets (the last position's padded out, as transformers' ``labels=`` does);
+    the loss is its share of the global mean (summed token losses / the global count). Returns that share."""
+    from ..tasks.causal_lm import next_token_terms
+    from ..train.step import MicroBatch, StepTotals, train_step
+
+    targets_BL = F.pad(tokens_BL[:, 1:], (0, 1), value=-100)
+    batch = MicroBatch({"input_ids": tokens_BL}, targets_BL, num_predictions)
 
     def step() -> float:
-        parts.optimizer.zero_grad(set_to_none=True)
-        with record_function("phase: forward"):
-            out = parts.model(tokens_BL)
-            logits = out.logits[:, :-1].flatten(0, 1)
-            loss = F.cross_entropy(logits, tokens_BL[:, 1:].flatten(), reduction="sum") / num_predictions
-            loss = loss + out.aux_loss
-        with record_function("phase: backward"):
-            loss.backward()
-        with record_function("phase: grad_sync"):
-            parts.grad_sync.sync(parts.experts.shards)
-        with record_function("phase: optimizer"):
-            parts.optimizer.step()
-        return float(loss.detach())
+        totals = StepTotals(parts.groups.device)
+        train_step(parts, [batch], next_token_terms, 1, totals)
+        return totals.loss()
 
     return step
 
@@ -184,12 +182,13 @@ def ours_side(spec: Dict) -> Dict:
     num_predictions = tokens.shape[0] * (tokens.shape[1] - 1)
     sides: Dict[str, Timed] = {}
     steps: Dict[str, Callable[[], float]] = {}
-    parts_of = {}
+    parts_of, gradients = {}, {}
     for name, mode in OURS.items():
         config = run_config(spec["directory"], mode)
         parts = build_parts(config, build_model(config.model, config.moe, ModelNeeds("causal-lm", spec["vocab"])))
         mine = tokens.chunk(parts.groups.world_size)[parts.groups.rank]  # this rank's sequences
         parts_of[name], steps[name] = parts, ours_step(parts, mine, num_predictions)
+        gradients[name] = GradientsAtStep(parts.optimizer, {"all": list(parts.model.parameters())})
         sides[name] = Timed(steps[name], barrier=functools.partial(barrier, parts.groups, "bench hf-moe step"))
     for side in sides.values():
         side.warm_up()
@@ -201,7 +200,7 @@ def ours_side(spec: Dict) -> Dict:
             "wall": side.wall,
             "cpu": side.cpu,
             "first_loss": side.first_loss,
-            "state_mib": state_mib(parts_of[name].model, parts_of[name].optimizer),
+            "state_mib": state_mib(parts_of[name].model, parts_of[name].optimizer, gradients[name]),
             "step_peak_rss_mib": side.peak_mib,
             "profile": profile_steps(steps[name], parts_of[name].model) if spec["profile"] else None,
         }

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -41,6 +41,58 @@ MEMORY_METHOD = (
 )
 # A fixed threshold also turns off glibc's dynamic threshold adjustment (see mallopt(3)).
 MEMORY_PROCESS_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+def tensors_mib(tensors: Iterable[torch.Tensor]) -> float:
+    """MiB of the tensors' parts held on this rank (a DTensor's local shard)."""
+    from ..parallel.fsdp import local
+
+    return sum(local(t).numel() * t.element_size() for t in tensors) / 2**20
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> List[torch.Tensor]:
+    """The optimizer's state tensors of ``params`` (Adam's moments; not its step counters)."""
+    return [v for p in params for k, v in optimizer.state.get(p, {}).items() if torch.is_tensor(v) and k != "step"]
+
+
+class GradientsAtStep:
+    """MiB of the gradients of named parameter lists, read just before every optimizer step: the training
+    step frees the gradients right after it (train/step.py), so this is when they are held."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Dict[str, List[torch.Tensor]]):
+        self.params = params
+        self.mib = {name: 0.0 for name in params}
+        optimizer.register_step_pre_hook(self._read)
+
+    def _read(self, *_) -> None:
+        for name, params in self.params.items():
+            self.mib[name] = tensors_mib(p.grad for p in params if p.grad is not None)
+
+
+def state_mib(model: torch.nn.Module, optimizer: torch.optim.Optimizer, gradients: GradientsAtStep) -> float:
+    """Parameters + gradients (at the optimizer step) + optimizer state this rank holds, MiB."""
+    params = list(model.parameters())
+    held = tensors_mib(params) + sum(gradients.mib.values()) + tensors_mib(optimizer_state(optimizer, params))
+    return round(held, 2)
+
+
+def next_token_step(parts, tokens_BW: torch.Tensor, input_name: str = "input_ids") -> Callable[[], object]:
+    """The trainer's step (train/step.py) on this rank's token windows (B, L + 1), as a causal-LM run makes
+    it: inputs the first L tokens (the forward's keyword ``input_name``: transformers' ``input_ids``, the
+    built-in CausalLM's ``tokens_BL``), targets the last L, the loss divided by the global target count
+    (every rank holds as many windows). The returned step gives its ``StepTotals`` (this rank's loss share)."""
+    from ..tasks.causal_lm import next_token_terms
+    from ..train.step import MicroBatch, StepTotals, train_step
+
+    targets_BL = tokens_BW[:, 1:]
+    batch = MicroBatch({input_name: tokens_BW[:, :-1]}, targets_BL, targets_BL.numel() * parts.groups.world_size)
+
+    def step() -> StepTotals:
+        totals = StepTotals(parts.groups.device)
+        train_step(parts, [batch], next_token_terms, 1, totals)
+        return totals
+
+    return step
 
 
 def time_interleaved(steps: Dict[str, Step], *, repeats: int, warmup: int) -> Dict[str, dict]:

@@ -22,7 +22,6 @@ import time
 from typing import Dict, List
 
 import torch
-import torch.nn.functional as F
 
 from ..config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from ..models.build import build_model
@@ -31,10 +30,17 @@ from ..parallel.groups import barrier
 from ..parallel.simulate import run_simulated
 from ..tasks.base import ModelNeeds
 from ..train.parts import build_parts
-from .measure import machine_info, memory_supported, peak_rss_above_baseline_mb
+from .measure import (
+    GradientsAtStep,
+    machine_info,
+    memory_supported,
+    next_token_step,
+    optimizer_state,
+    peak_rss_above_baseline_mb,
+    tensors_mib,
+)
 
 TARGETS = {"dense_state_per_rank_x_world": 1.1, "fsdp_step_time_ratio": 1.25}
-MIB = 2**20
 VOCAB = 49152
 
 
@@ -51,18 +57,8 @@ def run_config(spec: Dict, world_size: int) -> RunConfig:
     )
 
 
-def _bytes(tensors) -> float:
-    from ..parallel.fsdp import local
-
-    return sum(local(t).numel() * t.element_size() for t in tensors) / MIB
-
-
-def _state_tensors(optimizer, params) -> List[torch.Tensor]:
-    return [v for p in params for k, v in optimizer.state.get(p, {}).items() if torch.is_tensor(v) and k != "step"]
-
-
 def rank_case(spec: Dict) -> Dict:
-    """One rank: build, shard, train `steps` steps, report its memory and step times."""
+    """One rank: build, shard, train `steps` steps (the trainer's step), report its memory and step times."""
     from ..parallel.reshard import dense_named_parameters
 
     torch.set_num_threads(1)
@@ -70,42 +66,29 @@ def rank_case(spec: Dict) -> Dict:
     torch.manual_seed(0)
     model = build_model(config.model, config.moe, ModelNeeds("causal-lm", VOCAB, max_len=spec["seq_len"]))
     parts = build_parts(config, model)
-    groups, shards, optimizer = parts.groups, parts.experts.shards, parts.optimizer
     tokens = torch.randint(
         0, VOCAB, (spec["batch_per_rank"], spec["seq_len"]), generator=torch.Generator().manual_seed(1)
     )
-
-    def step() -> None:
-        out = model(tokens[:, :-1])
-        loss = F.cross_entropy(out.logits.flatten(0, 1), tokens[:, 1:].flatten()) + out.aux_loss
-        loss.backward()
-        parts.grad_sync.sync(shards)
-        optimizer.step()
-
+    dense = [p for _, p in dense_named_parameters(model, parts.experts.shards)]
+    experts = [p for shard in parts.experts.shards for p in shard.layer.experts.parameters()]
+    gradients = GradientsAtStep(parts.optimizer, {"dense": dense, "experts": experts})
+    step = next_token_step(parts, tokens, input_name="tokens_BL")  # the built-in CausalLM's forward
     step()  # optimizer state exists from here on
-    dense = [p for _, p in dense_named_parameters(model, shards)]
-    experts = [p for shard in shards for p in shard.layer.experts.parameters()]
-    grads = (
-        _bytes([p.grad for p in dense if p.grad is not None]),
-        _bytes([p.grad for p in experts if p.grad is not None]),
-    )
-    optimizer.zero_grad(set_to_none=True)
     peak = peak_rss_above_baseline_mb(step) if memory_supported() else None
     times = []
     for _ in range(spec["steps"]):
-        optimizer.zero_grad(set_to_none=True)
-        barrier(groups, "bench memory step")
+        barrier(parts.groups, "bench memory step")
         started = time.perf_counter()
         step()
         times.append(time.perf_counter() - started)
     return {
-        "rank": groups.rank,
-        "dense_parameters_mib": _bytes(dense),
-        "expert_parameters_mib": _bytes(experts),
-        "dense_gradients_mib": grads[0],
-        "expert_gradients_mib": grads[1],
-        "dense_optimizer_state_mib": _bytes(_state_tensors(optimizer, dense)),
-        "expert_optimizer_state_mib": _bytes(_state_tensors(optimizer, experts)),
+        "rank": parts.groups.rank,
+        "dense_parameters_mib": tensors_mib(dense),
+        "expert_parameters_mib": tensors_mib(experts),
+        "dense_gradients_mib": gradients.mib["dense"],
+        "expert_gradients_mib": gradients.mib["experts"],
+        "dense_optimizer_state_mib": tensors_mib(optimizer_state(parts.optimizer, dense)),
+        "expert_optimizer_state_mib": tensors_mib(optimizer_state(parts.optimizer, experts)),
         "step_peak_rss_mib": peak,
         "step_s": times,
     }

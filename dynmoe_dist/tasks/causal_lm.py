@@ -34,6 +34,17 @@ from .base import Batch, ModelNeeds, Task, register, split_indices
 from .common import subset_indices
 
 
+def next_token_terms(logits_BLV: Tensor, targets_BL: Tensor) -> Tuple[Tensor, Tensor]:
+    """(summed next-token cross-entropy in at least fp32, correct next-token predictions); targets of -100
+    (transformers' padding label) count in neither."""
+    dtype = torch.promote_types(logits_BLV.dtype, torch.float32)
+    loss_sum = F.cross_entropy(
+        logits_BLV.reshape(-1, logits_BLV.shape[-1]).to(dtype), targets_BL.reshape(-1), reduction="sum"
+    )
+    correct = (logits_BLV.detach().argmax(-1) == targets_BL).sum().to(dtype)
+    return loss_sum, correct
+
+
 class CausalLMTask(Task):
     """Train and held-out windows read from the token cache; ``splits`` stays empty (nothing in memory)."""
 
@@ -63,12 +74,8 @@ class CausalLMTask(Task):
 
         The trainer divides 'correct' by the number of *sequences* (train: len(batch); test: the split
         size); dividing by seq_len here makes that the token accuracy in both places."""
-        dtype = torch.promote_types(logits_BLV.dtype, torch.float32)
-        loss_sum = F.cross_entropy(
-            logits_BLV.reshape(-1, logits_BLV.shape[-1]).to(dtype), targets_BL.reshape(-1), reduction="sum"
-        )
-        correct = (logits_BLV.detach().argmax(-1) == targets_BL).sum().to(dtype) / self.seq_len
-        return loss_sum, correct
+        loss_sum, correct = next_token_terms(logits_BLV, targets_BL)
+        return loss_sum, correct / self.seq_len
 
     def model_needs(self) -> ModelNeeds:
         return ModelNeeds("causal-lm", self.num_classes, max_len=self.seq_len, tokenizer=self.tokenizer_path)

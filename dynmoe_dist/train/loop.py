@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Dict, List
+from typing import Dict, Iterator, List
 
 import torch
 
@@ -27,6 +27,7 @@ from .data import BatchSchedule, eval_ranges, shard
 from .optim import set_lr
 from .parts import DTYPES, TrainParts, build_parts
 from .recorder import K_BINS, Recorders, health
+from .step import MicroBatch, StepTotals, train_step
 from .telemetry import WaitBar
 
 # What a step record holds per MoE layer (lists in layer order; telemetry checks their lengths).
@@ -40,19 +41,6 @@ LAYER_METRICS = (
     "load_cv",
     "k_histogram",
 )
-
-
-class StepTotals:
-    """What one rank contributes to a step's metrics, accumulated on the device (no host sync per
-    micro-batch) and summed over ranks with one all-reduce."""
-
-    def __init__(self, device: torch.device):
-        self.loss_sum, self.correct, self.aux = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(3))
-        self.items = 0
-
-    def vector(self) -> torch.Tensor:
-        items = self.loss_sum.new_tensor(float(self.items))
-        return torch.stack([self.loss_sum, self.correct, items, self.aux]).cpu()  # NOTE: device-to-host sync
 
 
 class Trainer:
@@ -132,36 +120,33 @@ class Trainer:
         batch.inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.inputs.items()}
         return batch
 
-    def forward_backward(self, indices: torch.Tensor, totals: StepTotals) -> None:
-        accum = self.config.train.grad_accum
-        items_global = self.task.count_items("train", indices)
+    def micro_batch(self, indices: torch.Tensor) -> MicroBatch:
+        """This rank's share of the global training micro-batch ``indices``."""
         batch = self.local_batch("train", indices)
-        with self.autocast():
-            out = self.model(**batch.inputs)
-        loss_sum, correct = self.task.loss_terms(out.logits, batch.targets)
-        loss = loss_sum / items_global / accum + out.aux_loss / accum
-        loss.backward()
-        totals.loss_sum += loss_sum.detach().double() / items_global / accum
-        totals.correct += correct
-        totals.items += len(batch)
-        totals.aux += out.aux_loss.detach().double() / accum
+        return MicroBatch(batch.inputs, batch.targets, self.task.count_items("train", indices))
+
+    def micro_batches(self) -> Iterator[MicroBatch]:
+        """The step's micro-batches, each read only when the step reaches it."""
+        for micro in range(self.config.train.grad_accum):
+            yield self.micro_batch(self.schedule.micro_indices(self.step, micro))
 
     def train_step(self) -> Dict:
         started = time.perf_counter()
-        self.model.train()
         self.recorders.reset_step()
         if self.balancers is not None:
             self.balancers.start_step()
         totals = StepTotals(self.groups.device)
-        for micro in range(self.config.train.grad_accum):
-            self.forward_backward(self.schedule.micro_indices(self.step, micro), totals)
-        parts, shards = self.parts, self.parts.experts.shards
-        parts.grad_sync.sync(shards)
-        clip = self.config.train.grad_clip
-        grad_norm = parts.grad_sync.clip(shards, clip) if clip > 0 else None
-        lr = set_lr(parts.optimizer, self.step, self.config.train, self.schedule.total_steps)
-        parts.optimizer.step()
-        parts.optimizer.zero_grad(set_to_none=True)
+        lr = set_lr(self.parts.optimizer, self.step, self.config.train, self.schedule.total_steps)
+        train = self.config.train
+        grad_norm = train_step(
+            self.parts,
+            self.micro_batches(),
+            self.task.loss_terms,
+            train.grad_accum,
+            totals,
+            train.grad_clip,
+            self.autocast,
+        )
         self.step += 1
         record = self._step_record(totals, time.perf_counter() - started, lr)
         if grad_norm is not None:

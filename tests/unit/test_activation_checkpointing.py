@@ -8,7 +8,8 @@ import torch.nn as nn
 from dynmoe_dist.config import load_config
 from dynmoe_dist.moe.layer import MoELayer
 from dynmoe_dist.parallel.blocks import apply_activation_checkpointing, find_blocks
-from dynmoe_dist.train.loop import StepTotals, Trainer
+from dynmoe_dist.train.loop import Trainer
+from dynmoe_dist.train.step import StepTotals, forward_backward
 
 
 def _trainer(ac: str) -> Trainer:
@@ -43,7 +44,8 @@ def _one_backward(trainer: Trainer, monkeypatch):
     monkeypatch.setattr(MoELayer, "forward", counted)
     trainer.recorders.reset_step()
     trainer.recorders.start_window()
-    trainer.forward_backward(trainer.schedule.micro_indices(0, 0), StepTotals(trainer.groups.device))
+    batch = trainer.micro_batch(trainer.schedule.micro_indices(0, 0))
+    forward_backward(trainer.model, batch, trainer.task.loss_terms, 1, StepTotals(trainer.groups.device))
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     windows = [w.to_flat() for w in trainer.recorders.windows()]
     monkeypatch.undo()

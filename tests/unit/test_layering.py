@@ -226,7 +226,15 @@ def test_the_trainer_check_catches_writes_and_internals():
 
 
 # The parts of the training wing that are given what they work on, never the trainer.
-TRAINER_FREE = ("adaptive.py", "checkpoint.py", "checkpoint_parts.py", "experts.py", "parts.py", "dense_state.py")
+TRAINER_FREE = (
+    "adaptive.py",
+    "checkpoint.py",
+    "checkpoint_parts.py",
+    "experts.py",
+    "parts.py",
+    "dense_state.py",
+    "step.py",
+)
 
 
 def test_checkpoints_adaptive_events_and_the_expert_set_never_see_the_trainer():
@@ -290,3 +298,70 @@ def test_the_gpu_check_has_no_import_circle():
         if any(n == "dynmoe_dist.bench.gpu" for n in _imports(p, with_names=True))
     ]
     assert not offenders, offenders
+
+
+# -- one training step: train/step.py -------------------------------------------------------------------
+# A training step is what turns gradients into new weights: an optimizer's step, the optimizer dropping
+# the gradients, the gradient sync over ranks (GradSync.sync / clip). Outside train/ only a benchmark's
+# baseline (transformers' own way, which ours is compared against) may do it, in the function named here.
+STEP_BASELINES = {("dynmoe_dist/bench/hf_moe.py", "transformers_side")}
+
+
+def _is_step_call(node: ast.AST) -> bool:
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        return False
+    receiver, attr = ast.unparse(node.func.value).split(".")[-1].lower(), node.func.attr
+    if attr == "step":
+        return receiver.startswith("opt") or "optim" in receiver
+    return attr == "zero_grad" or (attr in ("sync", "clip") and "grad_sync" in receiver)
+
+
+def training_steps(path: Path, source: str = None):
+    """`file:line in function` of every optimizer step, zero_grad and gradient sync of a module."""
+    rel = str(path.relative_to(ROOT))
+    found = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and function == "":
+            function = node.name  # the top-level function (or method) a call sits in
+        if _is_step_call(node) and (rel, function) not in STEP_BASELINES:
+            found.append(f"{rel}:{node.lineno} in {function or 'the module'}: {ast.unparse(node.func)}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, function)
+
+    tree = ast.parse(source if source is not None else path.read_text())
+    for node in tree.body:
+        body = node.body if isinstance(node, ast.ClassDef) else [node]  # methods count as functions
+        for statement in body:
+            visit(statement, "")
+    return found
+
+
+def test_the_training_step_lives_in_train_only():
+    outside = [p for p in _all_files() if layer_of(_module_name(p)) != "train"]
+    offenders = [line for path in outside for line in training_steps(path)]
+    assert not offenders, offenders
+
+
+def test_the_step_check_catches_optimizer_steps_and_gradient_syncs():
+    here = ROOT / "dynmoe_dist" / "bench" / "memory.py"
+    planted = (
+        "def step(parts, opt):\n"
+        "    parts.grad_sync.sync(shards)\n"
+        "    parts.optimizer.step()\n"
+        "    opt.zero_grad()\n"
+        "class Case:\n"
+        "    def run(self):\n"
+        "        self.optimizer.step()\n"
+        "        self.schedule.step()\n"  # not an optimizer
+    )
+    found = training_steps(here, planted)
+    assert [line.split(" in ")[1] for line in found] == [
+        "step: parts.grad_sync.sync",
+        "step: parts.optimizer.step",
+        "step: opt.zero_grad",
+        "run: self.optimizer.step",
+    ], found
+    baseline = ROOT / "dynmoe_dist" / "bench" / "hf_moe.py"
+    assert training_steps(baseline, "def transformers_side():\n    optimizer.step()\n") == []
+    assert training_steps(baseline, "def ours_side():\n    optimizer.step()\n") != []
