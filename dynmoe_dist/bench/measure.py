@@ -23,11 +23,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-Step = Callable[[], None]
+Step = Callable[[], object]  # what it returns is not read
 
 MEMORY_METHOD = (
     "each case runs in a fresh Python process with MALLOC_MMAP_THRESHOLD_=131072: warm up the same "
@@ -59,7 +59,7 @@ class GradientsAtStep:
     """MiB of the gradients of named parameter lists, read just before every optimizer step: the training
     step frees the gradients right after it (train/step.py), so this is when they are held."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: Dict[str, List[torch.Tensor]]):
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Mapping[str, Sequence[torch.Tensor]]):
         self.params = params
         self.mib = {name: 0.0 for name in params}
         optimizer.register_step_pre_hook(self._read)
