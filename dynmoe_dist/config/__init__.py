@@ -62,6 +62,7 @@ __all__ = [
     "SHARDINGS",
     "TaskConfig",
     "TrainConfig",
+    "check_native_router",
     "check_resume",
     "check_world",
     "checked_values",
@@ -327,6 +328,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     from ..models.build import check_model_config
     from ..tasks import task_spec, validate_run_config
 
+    check_native_router(config.model, config.moe.router)
     validate_run_config(config)
     spec = task_spec(config.task.name)
     check_model_config(config.model, spec.model_kind)
@@ -366,6 +368,44 @@ def imported_moe_defaults(data: Dict[str, Any]) -> None:
         raise ValueError(
             f"moe.balance ('bias') needs a correction bias to move, and its native router has none: {where}"
         )
+
+
+NATIVE_INSTEAD = (
+    "leave moe.router unset (top_any: DynMoE, its feed-forward blocks made experts), or use 'top_k' or 'top_p'"
+)
+
+
+def check_native_router(model: ModelConfig, router: str) -> None:
+    """moe.router = 'native' keeps the routing of an imported transformers MoE, so model.path must be one: a
+    one-line error otherwise, from its config.json or GGUF header (no weights read, nothing dequantised)."""
+    if router != "native":
+        return
+    asked = "moe.router ('native') keeps the routing of an imported mixture-of-experts model"
+    if model.source != "hf":
+        raise ValueError(
+            f"{asked}, but model.source ({model.source!r}) builds this project's own model: {NATIVE_INSTEAD}"
+        )
+    from ..models.hf.loading import gguf_header, read_config_json, resolve
+    from ..models.hf.moe_families import imported_moe
+
+    directory, gguf_file = resolve(model.path)
+    where = f"model.path ({model.path!r})"
+    if gguf_file is None:
+        if imported_moe(directory) is None:
+            model_type = read_config_json(directory).get("model_type", "?")
+            raise ValueError(f"{asked}, but {where} is a dense {model_type} model: {NATIVE_INSTEAD}")
+        return
+    header = gguf_header(directory / gguf_file)
+    if header.expert_count:
+        raise ValueError(
+            f"{asked}, but {where} is a GGUF {header.architecture} with {header.expert_count} experts per layer, "
+            "and mixture-of-experts models are imported from a transformers directory (config.json + "
+            "safetensors, as save_pretrained writes it): give that directory instead"
+        )
+    raise ValueError(
+        f"{asked}, but {where} is a dense {header.architecture} model (its GGUF header has no "
+        f"{header.architecture}.expert_count): {NATIVE_INSTEAD}"
+    )
 
 
 def resolve_num_layers(model: ModelConfig) -> None:

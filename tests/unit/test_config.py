@@ -57,8 +57,12 @@ def test_the_gpt_oss_clamp_is_read_from_the_checkpoint_never_from_a_run_file(key
     assert key not in RunConfig().to_toml()
 
 
-def test_the_native_router_is_a_run_option_with_no_losses_of_ours():
-    cfg = load_config(None, ["moe.router='native'"])
+def test_the_native_router_is_a_run_option_with_no_losses_of_ours(tmp_path):
+    from hf_tiny import save_moe_checkpoint
+
+    directory, _ = save_moe_checkpoint("olmoe", tmp_path / "olmoe")
+    imported = ["task.name='causal-lm'", "model.source='hf'", f"model.path='{directory}'"]
+    cfg = load_config(None, [*imported, "task.path='rotten-tomatoes'", "moe.router='native'"])
     assert cfg.moe.router == "native" and cfg.moe.aux_losses == ()  # no top-any preset applies
 
 

@@ -15,7 +15,7 @@ import json
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Any, Dict, NamedTuple, Optional, Tuple, cast
 
 import torch.nn as nn
 
@@ -122,14 +122,23 @@ class NoArchitecture(Exception):
     """A GGUF file whose header has no general.architecture."""
 
 
-def gguf_header(p: Path) -> Tuple[str, Optional[int]]:
-    """(general.architecture, {arch}.block_count or None) of a GGUF file; NoArchitecture without one."""
+class GGUFHeader(NamedTuple):
+    architecture: str
+    """general.architecture: 'llama', 'qwen2', ..."""
+    block_count: Optional[int]
+    expert_count: Optional[int]
+    """{arch}.expert_count: the experts per layer of a mixture of experts; None (or 0) for a dense model."""
+
+
+def gguf_header(p: Path) -> GGUFHeader:
+    """What a GGUF file's header says of its model (no tensor read); NoArchitecture without
+    general.architecture."""
     stat = p.stat()
     return _gguf_header(str(p.resolve()), stat.st_size, stat.st_mtime_ns)
 
 
 @lru_cache(maxsize=8)
-def _gguf_header(path: str, size: int, mtime_ns: int) -> Tuple[str, Optional[int]]:
+def _gguf_header(path: str, size: int, mtime_ns: int) -> GGUFHeader:
     # Cached by (path, size, mtime): GGUFReader maps the whole file and lists every tensor (seconds for
     # SmolLM2's 100 MB), and a run reads the header for its path, its block count and its tokenizer.
     from gguf import GGUFReader
@@ -138,8 +147,11 @@ def _gguf_header(path: str, size: int, mtime_ns: int) -> Tuple[str, Optional[int
     if "general.architecture" not in fields:
         raise NoArchitecture(path)
     arch = str(fields["general.architecture"].contents())
-    count = fields.get(f"{arch}.block_count")
-    return arch, None if count is None else int(count.contents())
+
+    def number(key: str) -> Optional[int]:
+        return None if key not in fields else int(fields[key].contents())
+
+    return GGUFHeader(arch, number(f"{arch}.block_count"), number(f"{arch}.expert_count"))
 
 
 # Where transformers configs keep the block count (GPT-2 style configs map num_hidden_layers to n_layer).
@@ -165,7 +177,7 @@ def num_blocks(path: str, field: str = "model.path") -> int:
     """The model's number of transformer blocks, from its config.json or GGUF header (no weights read)."""
     directory, gguf_file = resolve(path, field)
     if gguf_file:
-        arch, count = gguf_header(directory / gguf_file)
+        arch, count, _ = gguf_header(directory / gguf_file)
         if count is None:
             raise ValueError(f"{field} ({path!r}): the GGUF header has no {arch}.block_count; set model.num_layers")
         return count
