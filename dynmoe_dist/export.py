@@ -1,6 +1,9 @@
 """``python -m dynmoe_dist.export CHECKPOINT --out DIR``: a training checkpoint -> a transformers directory.
 
 CHECKPOINT is a checkpoint directory or a run's output directory (its newest complete checkpoint).
+The checkpoint is all it reads: the model is built without weights from the base's config files the run saved
+in ``CHECKPOINT/model/`` (with its tokenizer; train/model_files.py, content hash checked), so the base at
+model.path may have been moved or deleted. A checkpoint written before ``model/`` existed builds from model.path.
 
 The checkpoint (train/checkpoint.py: meta.pt, dense/, experts_ep{r}.pt) holds dense parameters by their
 name in the trainer's model and experts by (MoE layer, logical id, ``moe.experts.expert_key``), whatever
@@ -29,10 +32,6 @@ import torch.nn as nn
 from .data.tokenizers import load_tokenizer
 from .models.build import build_model
 from .models.hf.export_files import MAX_SHARD_SIZE, prepare_out_dir, shard_size_bytes
-from .models.hf.imported import allocate, is_on_meta
-from .models.hf.pretrained import base_model_type, dynmoe_section, save_exported
-from .models.hf.stock_layout import save_stock
-from .models.hf.wrappers import HFCausalLM
 from .moe.experts import expert_key
 from .moe.layer import dense_state_tensors, find_moe_layers, rebuild_experts
 from .tasks.base import ModelNeeds
@@ -43,6 +42,7 @@ from .train.checkpoint import (
     read_checkpoint_meta,
     saved_expert_counts,
 )
+from .train.model_files import checked_definition, tokenizer_path
 from .train.telemetry import WaitBar
 
 
@@ -97,39 +97,25 @@ def export(checkpoint, out, max_shard_size: Union[int, str] = MAX_SHARD_SIZE, pr
     checkpoint, out = checkpoint_or_last(Path(checkpoint)), Path(out)
     meta, run = read_checkpoint(checkpoint)
     with WaitBar(f"exporting {checkpoint.name}", EXPORT_STAGES, "stage", enabled=progress) as bar:
-        tokenizer_path = run.task.tokenizer or run.model.path
-        tokenizer = load_tokenizer(tokenizer_path, "task.tokenizer")
-        needs = ModelNeeds("causal-lm", len(tokenizer), max_len=run.task.max_len, tokenizer=tokenizer_path)
-        model = build_model(run.model, run.moe, needs)
-        assert isinstance(model, HFCausalLM), "model.source = 'hf' builds a causal LM wrapper"
-        hf_model = model.transformers_model()
-        if run.moe.router != "native":  # a converted run's base must have remote-code classes
-            base_model_type(hf_model)  # checked before any weight is read
+        saved = checked_definition(checkpoint, meta["states"].get("model"))
+        definition = str(saved) if saved else run.model.path
+        tokenizer_at = str(saved) if saved else tokenizer_path(run)
+        tokenizer = load_tokenizer(tokenizer_at, "task.tokenizer")
+        needs = ModelNeeds("causal-lm", len(tokenizer), max_len=run.task.max_len, tokenizer=tokenizer_at)
+        source = build_model(run.model, run.moe, needs, definition=definition)
+        source.check_exportable()  # a base without remote-code classes fails before any weight is read
         bar.advance()
         dense, experts = read_checkpoint_dense(checkpoint), read_checkpoint_experts(checkpoint)
         bar.advance()
-        if is_on_meta(model):  # an imported MoE: nothing of its own checkpoint is needed, the training one says all
-            allocate(model, hf_model, torch.device("cpu"))
+        source.allocate(torch.device("cpu"))
         # The checkpoint's dtype (float64 runs export float64; bf16 runs keep fp32 masters).
-        model.to(next(iter(dense.values())).dtype)
-        fill_experts(model, experts, meta, checkpoint)
-        fill_dense(model, dense, checkpoint)
+        source.model.to(next(iter(dense.values())).dtype)
+        fill_experts(source.model, experts, meta, checkpoint)
+        fill_dense(source.model, dense, checkpoint)
         bar.advance()
-        written = save(hf_model.eval(), run, meta, tokenizer, out, max_shard_size)
+        written = source.save(out, tokenizer, int(meta["step"]), run.model.path, max_shard_size)
         bar.advance()
     return written
-
-
-def save(hf_model: nn.Module, run, meta: Dict, tokenizer, out: Path, max_shard_size: Union[int, str]) -> Path:
-    """An imported MoE trained with its own routing goes back as it came (its stock format); any other run
-    in the exported format."""
-    if run.moe.router == "native":
-        save_stock(hf_model, out, max_shard_size)
-        tokenizer.save_pretrained(str(out))
-        return out
-    blocks = sorted(run.model.moe_layers)
-    section = dynmoe_section(hf_model, run.moe, blocks, step=int(meta["step"]), base_model=run.model.path)
-    return save_exported(hf_model, section, out, tokenizer, max_shard_size)
 
 
 def main(argv=None) -> None:

@@ -97,6 +97,7 @@ def _warm_up(directory: Path, params, optimizer, groups) -> None:
 
 def rank_case(spec: Dict) -> Dict:
     """One rank: build, shard, one step, then save and load the dense state, measured."""
+    from ..models.source import BuiltModel
     from ..parallel.fsdp import local
     from ..parallel.groups import barrier
     from ..parallel.reshard import dense_named_parameters
@@ -108,7 +109,7 @@ def rank_case(spec: Dict) -> Dict:
     model = build_model(spec["shape"], config)
     with warnings.catch_warnings():  # one rank: FSDP has nothing to shard, and says so
         warnings.simplefilter("ignore", UserWarning)
-        parts = build_parts(config, model)
+        parts = build_parts(config, BuiltModel(model))
     groups, shards, optimizer = parts.groups, parts.experts.shards, parts.optimizer
     tokens = torch.randint(0, spec["shape"]["vocab"], (1, 17), generator=torch.Generator().manual_seed(1))
     next_token_step(parts, tokens)()  # the trainer's step: the Adam state exists from here on

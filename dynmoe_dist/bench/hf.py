@@ -110,6 +110,7 @@ class Case:
 
     def __init__(self, hf_model: nn.Module, config: RunConfig, tokens_BL: torch.Tensor, vocab: int = 0):
         from ..models.build import hf_causal_lm_from
+        from ..models.source import BuiltModel
         from ..tasks.base import ModelNeeds
         from ..train.parts import build_parts
 
@@ -117,7 +118,7 @@ class Case:
         needs = ModelNeeds("causal-lm", vocab or SMOLLM2["vocab_size"], max_len=tokens_BL.shape[1])
         model = hf_causal_lm_from(hf_model, config.model, config.moe, needs)
         self.active_parameters = active_parameters(model)  # before expert parallelism keeps this rank's experts
-        self.parts = build_parts(config, model)
+        self.parts = build_parts(config, BuiltModel(model))
         self.gradients = GradientsAtStep(self.parts.optimizer, {"all": list(self.parts.model.parameters())})
         self.step = next_token_step(self.parts, tokens_BL)  # the trainer's step (train/step.py)
 

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from ..config import RunConfig, from_dict, imported_moe_defaults, resolve_num_layers
+from ..config import RunConfig, from_dict, model_source_defaults, resolve_num_layers
 from .measure import (
     GradientsAtStep,
     emit_json,
@@ -146,7 +146,7 @@ def run_config(directory: str, expert_compute: str) -> RunConfig:
         "moe": {"expert_compute": expert_compute},
         "train": {"lr": LR, "weight_decay": WEIGHT_DECAY},
     }
-    imported_moe_defaults(data)
+    model_source_defaults(data)
     config = from_dict(data)
     resolve_num_layers(config.model)
     return config

@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Tuple, cast
 
 import torch
 
-from ..config import RunConfig, from_dict, imported_moe_defaults, resolve_num_layers
+from ..config import RunConfig, from_dict, model_source_defaults, resolve_num_layers
 from .checkpoint import parse_ranks
 from .measure import emit_json, machine_info, measured_call, memory_process_env
 from .moe_checkpoint import Qwen3MoeShape, write_checkpoint
@@ -54,7 +54,7 @@ def run_config(directory: Path) -> RunConfig:
     """The run on the checkpoint: its own routing, expert count and MoE blocks from config.json (as
     load_config fills them), dense weights sharded with FSDP, experts over the whole world (ep_size 0)."""
     data: Dict = {"model": {"source": "hf", "path": str(directory)}, "parallel": {"dense_sharding": "fsdp"}}
-    imported_moe_defaults(data)
+    model_source_defaults(data)
     config = from_dict(data)
     resolve_num_layers(config.model)
     return config
@@ -69,11 +69,11 @@ def build_run(directory: Path, vocab: int) -> Tuple[Any, float]:
 
     config = run_config(directory)
     started = time.perf_counter()
-    model = build_model(config.model, config.moe, ModelNeeds("causal-lm", vocab))
+    source = build_model(config.model, config.moe, ModelNeeds("causal-lm", vocab))
     build_model_s = time.perf_counter() - started
     with warnings.catch_warnings():  # one rank: FSDP has nothing to shard, and says so
         warnings.simplefilter("ignore", UserWarning)
-        return build_parts(config, model), build_model_s
+        return build_parts(config, source), build_model_s
 
 
 def _local_bytes(tensors: List[torch.Tensor]) -> int:

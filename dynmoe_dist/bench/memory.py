@@ -64,8 +64,10 @@ def rank_case(spec: Dict) -> Dict:
     torch.set_num_threads(1)
     config = run_config(spec, torch.distributed.get_world_size())
     torch.manual_seed(0)
-    model = build_model(config.model, config.moe, ModelNeeds("causal-lm", VOCAB, max_len=spec["seq_len"]))
-    parts = build_parts(config, model)
+    parts = build_parts(
+        config, build_model(config.model, config.moe, ModelNeeds("causal-lm", VOCAB, max_len=spec["seq_len"]))
+    )
+    model = parts.model
     tokens = torch.randint(
         0, VOCAB, (spec["batch_per_rank"], spec["seq_len"]), generator=torch.Generator().manual_seed(1)
     )

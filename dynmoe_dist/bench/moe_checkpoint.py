@@ -72,30 +72,14 @@ def is_expert_key(key: str) -> bool:
 
 def tensor_specs(config: Any) -> List[Spec]:
     """(key, shape) of every tensor save_pretrained writes for a Qwen3-MoE of ``config``, in the model's
-    order: transformers' in-memory state (built on the meta device: no memory), with each sparse block's
-    fused expert tensors replaced by the per-expert keys of the files."""
+    order (models.hf.imported.stock_tensor_specs of the model built on the meta device: no memory)."""
     from transformers import Qwen3MoeForCausalLM
 
-    from ..models.hf.moe_families import family_of, sparse_block_prefixes
+    from ..models.hf.imported import stock_tensor_specs
 
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(config)
-    family = family_of(model)
-    d, f = int(config.hidden_size), family.ffn_dim()
-    expert_shapes = {"w_gate": (f, d), "w_in": (f, d), "w_out": (d, f)}
-    fused = {f"{prefix}.{key}": prefix for prefix in sparse_block_prefixes(model) for key in family.fused_keys()}
-    specs: List[Spec] = []
-    expanded = set()
-    for key, t in model.state_dict().items():
-        prefix = fused.get(key)
-        if prefix is None:
-            specs.append((key, tuple(t.shape)))
-        elif prefix not in expanded:  # a block's fused tensors become its experts' keys, once
-            expanded.add(prefix)
-            for expert in range(family.num_experts()):
-                keys = family.checkpoint_expert_keys(prefix, expert)
-                specs += [(keys[name], expert_shapes[name]) for name in ("w_gate", "w_in", "w_out")]
-    return specs
+    return stock_tensor_specs(model)
 
 
 def nbytes(shape: Tuple[int, ...]) -> int:

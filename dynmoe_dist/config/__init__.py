@@ -69,7 +69,7 @@ __all__ = [
     "field_docs",
     "field_types",
     "from_dict",
-    "imported_moe_defaults",
+    "model_source_defaults",
     "load_config",
     "make_section",
     "options_help",
@@ -320,7 +320,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
             raise ValueError(f"section [{section}] must be a table, got {section_values!r}")
         section_values[key] = value
     user_set = frozenset(f"{name}.{key}" for name, values in data.items() if isinstance(values, dict) for key in values)
-    imported_moe_defaults(data)
+    model_source_defaults(data)
     config = dataclasses.replace(from_dict(data), explicit=user_set)
     check_world(config, world_size_from_env())
     check_resume(config.output)
@@ -337,36 +337,36 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     return config
 
 
-def imported_moe_defaults(data: Dict[str, Any]) -> None:
-    """model.source = 'hf' naming a transformers MoE (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V3, gpt-oss): its own
-    routing unless moe.router says otherwise (before the DynMoE preset could fill in top-any's options), its
-    expert count, and its sparse blocks as model.moe_layers. Reads config.json only; no weights."""
+def model_source_defaults(data: Dict[str, Any]) -> None:
+    """What the model at model.path fixes of the run's options (models.source.fixed_options: an imported
+    transformers MoE's expert count and sparse blocks, its own routing unless moe.router says otherwise),
+    applied before the DynMoE preset could fill in top-any's options. Reads config.json only; no weights."""
     model, moe = data.get("model", {}), data.setdefault("moe", {})
     if not isinstance(model, dict) or not isinstance(moe, dict) or model.get("source") != "hf":
         return
-    directory = Path(str(model.get("path", ""))).expanduser()
-    if not (directory / "config.json").is_file():
-        return  # a GGUF file or a package: dense models only; a missing path fails in the task's check
-    from ..models.hf.moe_families import imported_moe
+    from ..models.source import fixed_options
 
-    found = imported_moe(directory)
+    found = fixed_options(str(model.get("path", "")))
     if found is None:
         return
-    where = f"model.path ({str(model['path'])!r}) is a {found.model_type} with {found.num_experts} experts per layer"
-    if "num_experts" in moe and moe["num_experts"] != found.num_experts:  # equal: a printed config read back
-        raise ValueError(f"moe.num_experts ({moe['num_experts']!r}) cannot be set: {where}")
-    calibrate_k = moe.get("calibrate_k", 0)
-    if isinstance(calibrate_k, int) and calibrate_k > found.num_experts:
-        raise ValueError(f"moe.calibrate_k ({calibrate_k}) > the {found.num_experts} experts: {where}")
-    layers = list(found.sparse_layers)
-    if "moe_layers" in model and sorted(model["moe_layers"]) != layers:
-        raise ValueError(f"model.moe_layers ({model['moe_layers']}) != the MoE blocks {layers}: {where}")
-    model["moe_layers"] = layers
-    moe["num_experts"] = found.num_experts
-    moe.setdefault("router", "native")
+    sections = {"model": model, "moe": moe}
+    for option, bound in found.at_most.items():
+        section, key = option.split(".")
+        value = sections[section].get(key, 0)
+        if isinstance(value, int) and value > bound:
+            raise ValueError(f"{option} ({value}) > the {bound} experts: {found.reason}")
+    for option, value in found.fixed.items():
+        section, key = option.split(".")
+        have = sections[section].get(key, value)
+        if _unordered(have) != _unordered(value):  # equal: a printed config read back
+            raise ValueError(f"{option} ({have!r}) cannot be set: {found.reason} ({option} = {value!r})")
+        sections[section][key] = value
+    for option, value in found.defaults.items():
+        section, key = option.split(".")
+        sections[section].setdefault(key, value)
     if moe["router"] == "native" and moe.get("balance") == "bias" and not found.correction_bias:
         raise ValueError(
-            f"moe.balance ('bias') needs a correction bias to move, and its native router has none: {where}"
+            f"moe.balance ('bias') needs a correction bias to move, and its native router has none: {found.reason}"
         )
 
 
@@ -386,12 +386,12 @@ def check_native_router(model: ModelConfig, router: str) -> None:
             f"{asked}, but model.source ({model.source!r}) builds this project's own model: {NATIVE_INSTEAD}"
         )
     from ..models.hf.loading import gguf_header, read_config_json, resolve
-    from ..models.hf.moe_families import imported_moe
+    from ..models.source import moe_at
 
     directory, gguf_file = resolve(model.path)
     where = f"model.path ({model.path!r})"
     if gguf_file is None:
-        if imported_moe(directory) is None:
+        if moe_at(directory) is None:
             model_type = read_config_json(directory).get("model_type", "?")
             raise ValueError(f"{asked}, but {where} is a dense {model_type} model: {NATIVE_INSTEAD}")
         return
@@ -406,6 +406,10 @@ def check_native_router(model: ModelConfig, router: str) -> None:
         f"{asked}, but {where} is a dense {header.architecture} model (its GGUF header has no "
         f"{header.architecture}.expert_count): {NATIVE_INSTEAD}"
     )
+
+
+def _unordered(value: Any) -> Any:
+    return sorted(value) if isinstance(value, list) else value
 
 
 def resolve_num_layers(model: ModelConfig) -> None:

@@ -81,7 +81,7 @@ def mlp_params(model: torch.nn.Module, blocks: Sequence[int], where: str) -> Dic
 def dense_model(run: RunConfig, params: Optional[Dict[str, torch.Tensor]] = None) -> torch.nn.Module:
     """The run's model with no MoE layer: pre-trained weights, or ``params`` (a dense run's dense state)."""
     no_moe = dataclasses.replace(run, model=dataclasses.replace(run.model, moe_layers=[]))
-    model = build_model(no_moe.model, no_moe.moe, build_task(no_moe.task).model_needs())
+    model = build_model(no_moe.model, no_moe.moe, build_task(no_moe.task).model_needs()).model
     if params is not None:
         unexpected = model.load_state_dict(params, strict=False).unexpected_keys
         if unexpected:

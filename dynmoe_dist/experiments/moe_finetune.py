@@ -143,18 +143,12 @@ class Plan:
 
 def check_model(path: str) -> Dict[str, Any]:
     """--model must be a transformers MoE checkpoint with its tokenizer: one-line ValueErrors otherwise."""
-    from ..models.hf.moe_families import imported_moe
+    from ..models.source import require_moe
 
-    directory = Path(path)
-    if not (directory / "config.json").is_file():
-        raise ValueError(f"--model ({path!r}) has no config.json: expected a save_pretrained MoE checkpoint")
-    found = imported_moe(directory, "--model")
-    if found is None:
-        model_type = json.loads((directory / "config.json").read_text()).get("model_type")
-        raise ValueError(f"--model ({path!r}) is a {model_type!r} model with no experts: expected an MoE checkpoint")
-    if not (directory / "tokenizer_config.json").is_file():
+    info = require_moe(path, "--model")
+    if not (Path(path) / "tokenizer_config.json").is_file():
         raise ValueError(f"--model ({path!r}) holds no tokenizer (tokenizer_config.json)")
-    return {"model_type": found.model_type, "num_experts": found.num_experts, "top_k": found.top_k}
+    return info
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -168,15 +162,15 @@ def _layer_shape(trainer) -> Dict[str, int]:
 
 
 def _step0_on_rank(configs: Dict[str, RunConfig]) -> Dict[str, Any]:
-    from ..train.calibrate import calibrate_converted
     from ..train.loop import Trainer
+    from ..train.run import start
 
     out: Dict[str, Any] = {}
     for name, config in configs.items():
         trainer = Trainer(config)
         probe = RoutingProbe.attach(trainer.model)
-        # A top-any conversion is calibrated first, as run() does at a fresh start (it then evaluates once)
-        calibration = calibrate_converted(trainer)
+        # run()'s own start: a top-any conversion is calibrated, then evaluated once
+        calibration = start(config, trainer).calibration
         loss = calibration["test_loss_after_conversion"] if calibration else trainer.evaluate()["test_loss"]
         out[name] = {"test_loss": loss, "probe": probe.totals(), **_layer_shape(trainer)}
     return out

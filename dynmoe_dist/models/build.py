@@ -19,16 +19,23 @@ knows: class or vocabulary counts, sequence length, image size, the tokenizer it
   causal-lm           builtin       CausalLM (transformer.py), from scratch
 Then the parameters under the ``model.freeze`` prefixes are frozen (prefixes as the model names them:
 'model.embed_tokens' for a transformers LM, 'embeddings' / 'layers.N' or 'bert...' for MiniLM).
+
+What is built is decided here once and returned as its model source (models/source.py): the model and
+everything that follows from where it came from (filling, calibration, saving). ``definition`` builds a
+transformers source without weights, on the meta device, from a training checkpoint's copy of the base's
+config files (the export: the checkpoint holds every weight, model.path may be gone).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Protocol, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Protocol, Tuple
 
+import torch
 import torch.nn as nn
 
 from ..moe.config import MoEConfig
+from .source import BuiltModel, ImportedMoE, ModelSource, UpcycledHF, moe_at
 from .transformer import CausalLM, EncoderClassifier, ModelShape, ViTClassifier
 
 MODEL_KINDS = ("token-classifier", "image-classifier", "minilm-classifier", "causal-lm")
@@ -74,9 +81,13 @@ class ModelSection(ModelShape, Protocol):
     freeze: List[str]
 
 
-def build_model(model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> nn.Module:
-    """The run's model in float32 and training mode, its MoE layers in place, model.freeze applied."""
+def build_model(model: ModelSection, moe: MoEConfig, needs: TaskNeeds, definition: Optional[str] = None) -> ModelSource:
+    """The run's model in float32 and training mode, its MoE layers in place, model.freeze applied, as its
+    source. ``definition``: a transformers model's config files to build it from without weights (export)."""
     check_model_config(model, needs.kind)
+    if definition is not None:
+        assert (needs.kind, model.source) == ("causal-lm", "hf"), "only transformers models are built empty"
+        return _hf_causal_lm_empty(definition, model, moe, needs)
     return BUILDERS[(needs.kind, model.source)](model, moe, needs)
 
 
@@ -111,25 +122,25 @@ def check_model_config(model: ModelSection, kind: str) -> None:
 
 
 # -- the builders, one per (task kind, model source) ----------------------------------------------------
-def _token_classifier(model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> nn.Module:
+def _token_classifier(model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> ModelSource:
     built = EncoderClassifier(model, moe, needs.vocab_size, needs.max_len, needs.num_outputs)
     freeze_parameters(built, model.freeze)
-    return built
+    return BuiltModel(built)
 
 
-def _image_classifier(model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> nn.Module:
+def _image_classifier(model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> ModelSource:
     built = ViTClassifier(model, moe, needs.image_size, needs.channels, needs.num_outputs)
     freeze_parameters(built, model.freeze)
-    return built
+    return BuiltModel(built)
 
 
-def _builtin_causal_lm(model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> nn.Module:
+def _builtin_causal_lm(model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> ModelSource:
     built = CausalLM(model, moe, needs.num_outputs, needs.max_len)
     freeze_parameters(built, model.freeze)
-    return built
+    return BuiltModel(built)
 
 
-def _minilm_classifier(model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> nn.Module:
+def _minilm_classifier(model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> ModelSource:
     """MiniLM (its first model.num_layers layers) + a head; dim and ffn_dim come from the pre-trained block."""
     from .hf.minilm import HFSentenceClassifier, freeze_names, load_minilm
     from .hf.upcycle import upcycle_hf
@@ -138,20 +149,20 @@ def _minilm_classifier(model: ModelSection, moe: MoEConfig, needs: TaskNeeds) ->
     if model.moe_layers:
         upcycle_hf(built.bert, moe, layers=list(model.moe_layers))
     freeze_parameters(built, freeze_names(model.freeze))
-    return built
+    return BuiltModel(built)
 
 
-def _hf_causal_lm(model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> nn.Module:
-    from .hf.loading import load_model, resolve
-    from .hf.moe_families import imported_moe
+def _hf_causal_lm(model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> ModelSource:
+    from .hf.loading import load_resolved, resolve
 
     directory, gguf_file = resolve(model.path)
-    if gguf_file is None and imported_moe(directory) is not None:
+    if gguf_file is None and moe_at(directory) is not None:
         return _imported_moe(directory, model, moe, needs)
-    return hf_causal_lm_from(load_model(model.path, "causal-lm"), model, moe, needs)
+    built = hf_causal_lm_from(load_resolved(directory, gguf_file, model.path), model, moe, needs)
+    return UpcycledHF(built, model.path, moe, tuple(model.moe_layers))
 
 
-def _imported_moe(directory: Path, model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> nn.Module:
+def _imported_moe(directory: Path, model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> ModelSource:
     """A transformers MoE with MoE blocks in place of its sparse blocks (its own routing, or converted to
     top-any), on the meta device: the trainer reads each rank's share of the weights once it has placed the
     experts and sharded the dense weights (train/parts.py). The checkpoint's tensors are checked here, so a
@@ -160,10 +171,27 @@ def _imported_moe(directory: Path, model: ModelSection, moe: MoEConfig, needs: T
     from .hf.imported import build_on_meta, open_imported
 
     hf_model = build_on_meta(directory, moe)
-    open_imported(directory, hf_model)
+    checkpoint = open_imported(directory, hf_model)
     _check_vocabulary(hf_model, needs)
     freeze_parameters(hf_model, model.freeze)
-    return HFCausalLM(hf_model)
+    return ImportedMoE(HFCausalLM(hf_model), model.path, moe, tuple(model.moe_layers), checkpoint)
+
+
+def _hf_causal_lm_empty(definition: str, model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> ModelSource:
+    """The model ``_hf_causal_lm`` builds, from the config files at ``definition`` alone, every parameter on
+    the meta device (``allocate`` gives it storage; the caller fills it)."""
+    from .hf import HFCausalLM
+    from .hf.imported import build_empty, build_on_meta
+    from .hf.loading import resolve
+
+    directory, gguf_file = resolve(definition, "the checkpoint's model definition")
+    if gguf_file is None and moe_at(directory) is not None:
+        hf_model = build_on_meta(directory, moe)
+        _check_vocabulary(hf_model, needs)
+        return ImportedMoE(HFCausalLM(hf_model), model.path, moe, tuple(model.moe_layers), None)
+    with torch.device("meta"):  # the upcycled experts copy meta MLPs: nothing is allocated
+        built = hf_causal_lm_from(build_empty(directory, gguf_file), model, moe, needs)
+    return UpcycledHF(built, model.path, moe, tuple(model.moe_layers), on_meta=True)
 
 
 def _check_vocabulary(hf_model: nn.Module, needs: TaskNeeds) -> None:
@@ -196,7 +224,7 @@ def hf_causal_lm_from(hf_model: nn.Module, model: ModelSection, moe: MoEConfig, 
     return HFCausalLM(hf_model)
 
 
-Builder = Callable[[ModelSection, MoEConfig, TaskNeeds], nn.Module]
+Builder = Callable[[ModelSection, MoEConfig, TaskNeeds], ModelSource]
 BUILDERS: Dict[Tuple[str, str], Builder] = {
     ("token-classifier", "builtin"): _token_classifier,
     ("image-classifier", "builtin"): _image_classifier,

@@ -7,23 +7,26 @@ a small sample). For layer l every rank routes its tokens both ways, the model's
 router and its bias / correction bias) and the cosines top-any reads; the native counts are summed over all
 ranks, and the cosines are laid out by rank into one buffer all ranks sum, so every rank sets the same
 thresholds from the same numbers whatever the world size.
+
+``calibrate_converted`` is handed what it works on (the model source, the parts, a sample of batches), never
+the trainer: the source says whether there is anything to calibrate and holds the checkpoint's routings.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from ..models.hf.imported import NativeRouting, native_routings
-from ..models.hf.loading import resolve
-from ..models.hf.moe_families import imported_moe
+from ..models.hf.imported import NativeRouting
+from ..models.source import ModelSource
 from ..moe.calibration import calibrated_counts, thresholds_for_counts
 from ..moe.layer import MoELayer, TopAnyRouter
 from ..moe.routing import cosine_scores, native
 from ..parallel.groups import ParallelGroups, sum_over_ranks
+from .parts import TrainParts
 from .telemetry import WaitBar
 
 
@@ -124,35 +127,30 @@ def _all_tokens(local_TE: Tensor, groups: ParallelGroups) -> Tensor:
     return sum_over_ranks(buffer, groups, "calibration cosines all_reduce")
 
 
-def calibrate_converted(trainer) -> Optional[Dict]:
-    """A fresh run that converted an imported MoE's routers to top-any: calibrate them on the first
-    moe.calibrate_samples training sequences (every rank its share), then evaluate the held-out split once,
-    before any step. Returns the run's 'calibration' record; None for any other run."""
-    config = trainer.config
-    if config.moe.router != "top_any" or config.model.source != "hf":
+def calibrate_converted(
+    source: ModelSource,
+    parts: TrainParts,
+    sample: Callable[[], Dict[str, Tensor]],
+    target_k: float,
+    autocast: Callable[[], ContextManager],
+    progress: bool = False,
+) -> Optional[Dict]:
+    """Routers converted to top-any from an imported MoE: calibrate their thresholds on ``sample()`` (this
+    rank's share of the first moe.calibrate_samples training sequences, the model's inputs) to
+    ``target_k`` experts per token (0: the model's own top-k). Returns the calibration's target and
+    layers; None when the source has nothing to calibrate (``sample`` is then never called). ``progress``: a
+    bar over the layers (rank 0, output.progress)."""
+    natives = source.routings_to_calibrate()
+    if natives is None:
         return None
-    directory, gguf_file = resolve(config.model.path)
-    if gguf_file is not None or imported_moe(directory) is None:
-        return None
-    natives = native_routings(directory, trainer.model.transformers_model())
-    # the budget when there is one (MoEConfig refuses a calibrate_k that differs), else calibrate_k, else the model's k
-    target_k = float(config.moe.target_k or config.moe.calibrate_k or natives[0].rule.top_k)
-    size = trainer.task.size("train")
-    batch = trainer.local_batch("train", torch.arange(min(size, max(config.moe.calibrate_samples, trainer.world_size))))
+    target_k = float(target_k or natives[0].rule.top_k)
+    inputs = sample()
 
     def forward() -> None:
-        trainer.model.train()
-        with torch.no_grad(), trainer.autocast():
-            trainer.model(**batch.inputs)
+        parts.model.train()
+        with torch.no_grad(), autocast():
+            parts.model(**inputs)
 
-    shown = trainer.is_rank0 and config.output.progress
-    with WaitBar("calibrating top-any thresholds", len(trainer.moe_layers), "layer", enabled=shown) as bar:
-        layers = calibrate(forward, trainer.moe_layers, natives, target_k, trainer.groups, bar)
-    scores = trainer.evaluate("held-out scoring after the conversion")
-    return {
-        "kind": "calibration",
-        "step": trainer.step,
-        "target_k": target_k,
-        "layers": [layer.record() for layer in layers],
-        **{f"{key}_after_conversion": value for key, value in scores.items()},
-    }
+    with WaitBar("calibrating top-any thresholds", len(parts.experts.layers), "layer", enabled=progress) as bar:
+        layers = calibrate(forward, parts.experts.layers, natives, target_k, parts.groups, bar)
+    return {"target_k": target_k, "layers": [layer.record() for layer in layers]}

@@ -8,6 +8,8 @@ the dense state, train/checkpoint_parts.py). Layout: ``OUT/checkpoints/step_0001
   meta.pt          format, step, config, and every part's entry under its name
   dense/           the dense state (a torch.distributed.checkpoint directory, one shard file per rank)
   experts_ep{r}.pt the experts owned by ep rank r, by 'layer/logical id'
+  model/           a transformers model's config files and tokenizer, what the export builds it from
+                   (train/model_files.py; meta.pt names the base it was trained from by content hash)
 Atomic: everything goes into ``step_000120.tmp/`` and rank 0 renames it when all ranks are done; the
 previous checkpoint stays until then. Files hold only tensors and plain containers and are read with
 ``torch.load(weights_only=True)``, DCP's pickled metadata through an allowlist (``SafeReader``): no
@@ -34,6 +36,7 @@ TASK_ARCHITECTURE_KEYS = ("name", "max_len", "num_samples", "seed", "path")
 
 # The order parts load in, and why (parts a run does not have are skipped):
 LOAD_ORDER = (
+    "model",  # the base at model.path is the one the run was trained from: checked before anything is read
     "experts",  # rebuilds the banks and resizes the routers to the saved expert counts, then refreshes the
     #             optimizer's groups: the dense load below writes into those router parameters and installs
     #             their Adam state, so they must exist (at the saved shapes) and be the optimizer's first
@@ -43,6 +46,8 @@ LOAD_ORDER = (
     "adaptive",  # the plan version
     "trainer",  # step, data position and RNG last: rebuilding experts above draws from the RNG
 )
+# Parts a checkpoint written before they existed lacks: it loads without them.
+OPTIONAL_PARTS = ("model",)
 
 
 @runtime_checkable
@@ -129,10 +134,12 @@ class CheckpointManager:
         LOAD_ORDER."""
         meta = read_meta(path)
         check_architecture(json.loads(meta["config"]), self.config, path)
-        missing = [name for name in self.states if name not in meta["states"]]
+        missing = [name for name in self.states if name not in meta["states"] and name not in OPTIONAL_PARTS]
         if missing:
             raise CheckpointError(f"checkpoint {path} holds no {', '.join(missing)} state (meta.pt parts)")
         for name, part in self.states.items():
+            if name not in meta["states"]:
+                continue
             entry = meta["states"][name]
             if isinstance(part, OwnFiles):
                 part.load_files(path, entry)

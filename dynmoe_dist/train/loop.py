@@ -24,6 +24,7 @@ from ..tasks import build_task
 from .checkpoint import CheckpointManager, Part
 from .checkpoint_parts import DenseFiles, ExpertFiles
 from .data import BatchSchedule, eval_ranges, shard
+from .model_files import ModelFiles
 from .optim import set_lr
 from .parts import DTYPES, TrainParts, build_parts
 from .recorder import K_BINS, Recorders, health
@@ -65,7 +66,8 @@ class Trainer:
         self.schedule.check_world(world_size)
         self.eval_ranges = eval_ranges(self.task.size("test"), config.train.global_batch_size, world_size)
         torch.manual_seed(config.train.seed)
-        self.parts: TrainParts = build_parts(config, build_model(config.model, config.moe, self.task.model_needs()))
+        self.source = build_model(config.model, config.moe, self.task.model_needs())
+        self.parts: TrainParts = build_parts(config, self.source)
         self.recorders = Recorders(self.parts.experts.layers, self.parts.groups)
         # moe.target_k / moe.balance: out-of-gradient moves of the routers' choice, after each step
         self.balancers = Balancers.for_layers(self.parts.experts.layers, config.moe)
@@ -101,6 +103,7 @@ class Trainer:
             "experts": ExpertFiles(parts.experts, parts.groups),
             "dense": DenseFiles(lambda: dense_state_tensors(parts.model), parts.optimizer, parts.groups),
             "recorders": self.recorders,
+            "model": ModelFiles(self.source, self.config, parts.groups),
         }
         if self.balancers is not None:
             states["balance"] = self.balancers

@@ -1,13 +1,14 @@
-"""build_parts(config, model): the one assembly of a model into what trains it.
+"""build_parts(config, source): the one assembly of a model into what trains it.
 
 The order is torchtitan's and it matters:
   1. checks that need no communication (activation checkpointing finds blocks; every MoE layer has an
      expert per ep rank), so a bad setting fails on every rank before the first collective;
   2. the process groups, and a digest of the config compared across ranks;
-  3. the model on its device and dtype;
+  3. the model on its device and dtype (``source.place``: an imported transformers MoE stays on the meta
+     device);
   4. expert parallelism (each rank keeps its own experts), then FSDP: experts first, as they sit inside
-     the blocks, then the dense blocks and the root; a model built on the meta device (an imported
-     transformers MoE) is then given storage and reads only this rank's experts and dense rows;
+     the blocks, then the dense blocks and the root; then ``source.fill``: a source whose weights are read
+     later (an imported transformers MoE) is given storage and reads only this rank's experts and dense rows;
   5. the optimizer over the sharded parameters, the one owner of the expert set, the gradient sync.
 The Trainer and every benchmark call this; nothing else strings these steps together.
 """
@@ -21,15 +22,14 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from ..config import RunConfig
-from ..models.hf.imported import is_on_meta
+from ..models.source import ModelSource
 from ..moe.layer import find_moe_layers
 from ..parallel.blocks import apply_activation_checkpointing
 from ..parallel.expert_parallel import parallelize
-from ..parallel.fsdp import Sharding, plan_sharding, shard_dense, shard_experts
+from ..parallel.fsdp import Sharding, fill_local, plan_sharding, shard_dense, shard_experts
 from ..parallel.grads import GradSync
 from ..parallel.groups import ParallelGroups, check_same_everywhere, current_world_size, init_groups, resolve_ep_size
 from .experts import ExpertSet
-from .imported_weights import fill_imported
 from .optim import build_optimizer
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bf16": torch.float32}
@@ -47,26 +47,22 @@ class TrainParts:
     grad_sync: GradSync
 
 
-def build_parts(config: RunConfig, model: nn.Module) -> TrainParts:
-    """Parallelize ``model`` (built on every rank from the same seed) for ``config`` and build its
+def build_parts(config: RunConfig, source: ModelSource) -> TrainParts:
+    """Parallelize ``source.model`` (built on every rank from the same seed) for ``config`` and build its
     optimizer; collective from step 2 on (every rank calls it, in the same order)."""
+    model = source.model
     if config.train.activation_checkpointing == "block":
         apply_activation_checkpointing(model)  # fails here, before any collective, without blocks
     check_experts_fit(model, resolve_ep_size(config.parallel.ep_size, current_world_size()))
     groups = init_groups(config.parallel)
     check_same_everywhere(config.digest(), groups, "config hash")
-    on_meta = is_on_meta(model)  # an imported MoE: its weights are read once this rank's share is known
-    dtype = DTYPES[config.train.precision]
-    if on_meta:
-        model.to(dtype)
-    else:
-        model.to(groups.device, dtype)
+    source.place(groups.device, DTYPES[config.train.precision])
     shards = parallelize(model, groups)
     sharding = plan_sharding(config.parallel, groups, bf16=config.train.precision == "bf16")
     shard_experts(shards, sharding)
     shard_dense(model, shards, sharding)
-    if on_meta:
-        fill_imported(model, config.model.path, shards, groups.device)
+    held = [(shard.index, shard.local_experts, shard.layer.experts.experts) for shard in shards]
+    source.fill(held, groups.device, fill_local)  # weights read once this rank's share is known
     optimizer = build_optimizer(model, config.train)
     experts = ExpertSet(model, shards, sharding, optimizer, groups)
     grad_sync = GradSync(model, groups, experts_sharded=sharding.experts)

@@ -6,8 +6,11 @@ import importlib.util
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Optional
+
+import torch
 
 from ..config import RunConfig
 from ..coordination import CollectiveCoordinator
@@ -15,6 +18,7 @@ from ..moe.layer import block_labels
 from ..parallel.groups import barrier
 from .adaptive import AdaptiveController
 from .calibrate import calibrate_converted
+from .checkpoint import CheckpointManager
 from .loop import Trainer
 from .startup import resolve_optional_features
 from .telemetry import Telemetry
@@ -76,8 +80,24 @@ def step_once(trainer: Trainer, adaptive: Optional[AdaptiveController]):
     return record, adaptive.after_step(step_index) if adaptive else []
 
 
-def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factory: Optional[Callable] = None) -> Dict:
-    started = time.perf_counter()
+@dataclass(frozen=True)
+class Start:
+    """A run ready for its first step: resumed or fresh (the previous run's files archived, a top-any
+    conversion calibrated)."""
+
+    config: RunConfig
+    trainer: Trainer
+    adaptive: Optional[AdaptiveController]
+    checkpoints: CheckpointManager
+    calibration: Optional[Dict]
+    """The calibration record of a fresh run that converted an imported MoE's routers; else None."""
+
+
+def start(
+    config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factory: Optional[Callable] = None
+) -> Start:
+    """Everything before the first step, in its one order: the trainer, the adaptive controller and its
+    coordinator, the checkpoints, resume (or archive the previous run), the calibration of a fresh start."""
     config = resolve_optional_features(config)  # idempotent: the CLI has done it already
     trainer = trainer or Trainer(config)
     enabled = config.adaptive.enabled
@@ -87,7 +107,34 @@ def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factor
     if resumed is None and trainer.is_rank0:
         archive_previous_run(Path(config.output.out_dir))
     # An imported MoE converted to top-any: thresholds calibrated once, at the fresh start.
-    calibration = calibrate_converted(trainer) if resumed is None else None
+    calibration = calibrate_at_start(trainer) if resumed is None else None
+    return Start(config, trainer, adaptive, checkpoints, calibration)
+
+
+def calibrate_at_start(trainer: Trainer) -> Optional[Dict]:
+    """The calibration of a converted imported MoE on the first moe.calibrate_samples training sequences
+    (every rank its share), then the held-out split evaluated once, before any step; None for other runs."""
+    moe = trainer.config.moe
+
+    def sample() -> Dict[str, torch.Tensor]:
+        count = min(trainer.task.size("train"), max(moe.calibrate_samples, trainer.world_size))
+        return trainer.local_batch("train", torch.arange(count)).inputs
+
+    shown = trainer.is_rank0 and trainer.config.output.progress
+    # the budget when there is one (MoEConfig refuses a calibrate_k that differs), else calibrate_k, else the model's k
+    target_k = moe.target_k or moe.calibrate_k
+    record = calibrate_converted(trainer.source, trainer.parts, sample, target_k, trainer.autocast, shown)
+    if record is None:
+        return None
+    scores = trainer.evaluate("held-out scoring after the conversion")
+    after = {f"{key}_after_conversion": value for key, value in scores.items()}
+    return {"kind": "calibration", "step": trainer.step, **record, **after}
+
+
+def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factory: Optional[Callable] = None) -> Dict:
+    started = time.perf_counter()
+    begun = start(config, trainer, coordinator_factory)
+    config, trainer, adaptive, checkpoints = begun.config, begun.trainer, begun.adaptive, begun.checkpoints
     total = trainer.schedule.total_steps
     out = config.output
     with Telemetry(
@@ -98,8 +145,8 @@ def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factor
         tensorboard=out.tensorboard,
         initial_step=trainer.step,
     ) as telemetry:
-        if calibration is not None:
-            telemetry.log(calibration)
+        if begun.calibration is not None:
+            telemetry.log(begun.calibration)
         blocks = block_labels([shard.name for shard in trainer.parts.experts.shards])  # labels for the report
         while trainer.step < total:
             record, events = step_once(trainer, adaptive)

@@ -40,11 +40,11 @@ DEFAULT = ("qwen2_moe", "deepseek_v3", "qwen2_moe fsdp", "olmoe top-any")
 
 
 def train_case(root, world, family, extra):
-    from dynmoe_dist.train.calibrate import calibrate_converted
+    from dynmoe_dist.train.run import calibrate_at_start
     from dynmoe_dist.train.loop import Trainer
 
     trainer = Trainer(load_config(None, settings(root, family, world, *extra)))
-    calibration = calibrate_converted(trainer)  # a top-any conversion: thresholds from every rank's tokens
+    calibration = calibrate_at_start(trainer)  # a top-any conversion: thresholds from every rank's tokens
     thresholds = [layer.router.threshold.tolist() for layer in trainer.moe_layers] if calibration else None
     _, losses, counts, events = train_recorded(trainer, STEPS)
     return {

@@ -34,7 +34,7 @@ def test_a_converted_run_starts_at_the_models_k_with_its_own_loads(tmp_path):
     model's k (2) on the sample, the experts the native rule never used sit above every cosine, and the
     held-out loss before any step is recorded."""
     from dynmoe_dist.config import load_config
-    from dynmoe_dist.train.calibrate import calibrate_converted
+    from dynmoe_dist.train.run import calibrate_at_start
     from dynmoe_dist.train.loop import Trainer
 
     directory, _ = save_moe_checkpoint("olmoe", tmp_path / "olmoe", num_experts=8)
@@ -50,7 +50,7 @@ def test_a_converted_run_starts_at_the_models_k_with_its_own_loads(tmp_path):
         "train.precision='float64'",
     ]
     trainer = Trainer(load_config(None, settings))
-    record = calibrate_converted(trainer)
+    record = calibrate_at_start(trainer)
     assert record["kind"] == "calibration" and record["target_k"] == 2.0
     # identical tokens in identical contexts (a 16-word corpus repeats them) have equal cosines and are chosen
     # all or none, so the sample's mean k is the target up to such ties
@@ -59,9 +59,9 @@ def test_a_converted_run_starts_at_the_models_k_with_its_own_loads(tmp_path):
     for layer in trainer.moe_layers:
         assert not torch.equal(layer.router.threshold, torch.zeros_like(layer.router.threshold))
     half = Trainer(load_config(None, settings + ["moe.calibrate_k=1"]))
-    assert all(abs(layer["mean_k"] - 1.0) < 0.05 for layer in calibrate_converted(half)["layers"])
-    budget = calibrate_converted(Trainer(load_config(None, settings + ["moe.target_k=1.5"])))
+    assert all(abs(layer["mean_k"] - 1.0) < 0.05 for layer in calibrate_at_start(half)["layers"])
+    budget = calibrate_at_start(Trainer(load_config(None, settings + ["moe.target_k=1.5"])))
     assert budget["target_k"] == 1.5  # a compute budget: the calibration starts at it
     assert all(abs(layer["mean_k"] - 1.5) < 0.05 for layer in budget["layers"]), budget["layers"]
     native = Trainer(load_config(None, settings[:5]))
-    assert calibrate_converted(native) is None  # its own routing: nothing to calibrate
+    assert calibrate_at_start(native) is None  # its own routing: nothing to calibrate

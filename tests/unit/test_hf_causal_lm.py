@@ -22,7 +22,7 @@ def model_of(config, task=None):
     from dynmoe_dist.models.build import build_model
 
     task = task if task is not None else build_task(config.task)
-    return build_model(config.model, config.moe, task.model_needs())
+    return build_model(config.model, config.moe, task.model_needs()).model
 
 
 def config_for(model_dir, text_file, *extra):

@@ -228,9 +228,11 @@ def test_the_trainer_check_catches_writes_and_internals():
 # The parts of the training wing that are given what they work on, never the trainer.
 TRAINER_FREE = (
     "adaptive.py",
+    "calibrate.py",
     "checkpoint.py",
     "checkpoint_parts.py",
     "experts.py",
+    "model_files.py",
     "parts.py",
     "dense_state.py",
     "step.py",
@@ -365,3 +367,45 @@ def test_the_step_check_catches_optimizer_steps_and_gradient_syncs():
     baseline = ROOT / "dynmoe_dist" / "bench" / "hf_moe.py"
     assert training_steps(baseline, "def transformers_side():\n    optimizer.step()\n") == []
     assert training_steps(baseline, "def ours_side():\n    optimizer.step()\n") != []
+
+
+# -- the model source is decided once (models/source.py) --------------------------------------------------
+# What asks "is it an imported MoE?" (or which family, or whether the model waits on the meta device for its
+# weights). Outside models/ the model source answers instead.
+SOURCE_QUESTIONS = {"imported_moe", "is_imported", "family_of", "is_on_meta"}
+
+
+def source_questions(path: Path, source: str = None):
+    """(line, question) of every call of a SOURCE_QUESTIONS function and every ``.is_meta`` in a module."""
+    tree = ast.parse(source if source is not None else path.read_text())
+    rel = path.relative_to(ROOT)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            if name in SOURCE_QUESTIONS:
+                found.append((node.lineno, f"calls {name}"))
+        elif isinstance(node, ast.Attribute) and node.attr == "is_meta":
+            found.append((node.lineno, "reads .is_meta"))
+    return [f"{rel}:{line} {what}" for line, what in sorted(found)]
+
+
+def test_only_models_asks_what_the_model_source_is():
+    outside = [p for p in _all_files() if layer_of(_module_name(p)) != "models"]
+    offenders = [line for path in outside for line in source_questions(path)]
+    assert not offenders, offenders
+
+
+def test_the_source_check_catches_each_question():
+    here = ROOT / "dynmoe_dist" / "export.py"
+    planted = (
+        "imported_moe(d)\nx = pretrained.is_imported(t)\nfamily_of(m)\nany(p.is_meta for p in ps)\n"
+        "is_on_meta(m)\nsource.fill(h, d, f)\n"
+    )
+    assert source_questions(here, planted) == [
+        "dynmoe_dist/export.py:1 calls imported_moe",
+        "dynmoe_dist/export.py:2 calls is_imported",
+        "dynmoe_dist/export.py:3 calls family_of",
+        "dynmoe_dist/export.py:4 reads .is_meta",
+        "dynmoe_dist/export.py:5 calls is_on_meta",
+    ]

@@ -174,7 +174,7 @@ def _run_config(**model):
 
 def _model_of(task, config):
     """The task's model as the trainer builds it: from [model] + [moe] and the task's needs."""
-    return build_model(config.model, config.moe, task.model_needs())
+    return build_model(config.model, config.moe, task.model_needs()).model
 
 
 def _train_step(task, model, n=4):

@@ -35,18 +35,27 @@ from .stock_layout import check_block_shapes, read_expert, read_router
 def build_on_meta(directory: Path, moe: MoEConfig) -> nn.Module:
     """The transformers model of ``directory``'s config with MoE blocks in place of its sparse blocks, every
     parameter on the meta device (no weights read), in training mode, tied weights tied."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
-    with init_empty_weights(include_buffers=False):  # buffers real: the rotary frequencies are computed here
-        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Tied outside the context: inside, accelerate wraps every parameter set on a module anew (untying it)
-    hf.tie_weights()
+    hf = build_empty(directory)
     # The MoE blocks straight on the meta device: under init_empty_weights every expert would first be
     # created and randomly initialised on the CPU (seconds for a large model, on every rank)
     with torch.device("meta"):
         import_moe(hf, moe)
+    return hf.train()
+
+
+def build_empty(directory: Path, gguf_file: Optional[str] = None) -> nn.Module:
+    """The transformers causal LM of ``directory``'s config (or a .gguf file's header), every parameter on
+    the meta device, buffers real (the rotary frequencies are computed from the config), tied weights tied,
+    in training mode."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    config = AutoConfig.from_pretrained(str(directory), local_files_only=True, **extra)
+    with init_empty_weights(include_buffers=False):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Tied outside the context: inside, accelerate wraps every parameter set on a module anew (untying it)
+    hf.tie_weights()
     return hf.train()
 
 
@@ -111,10 +120,6 @@ def open_imported(directory: Path, hf_model: nn.Module) -> ImportedCheckpoint:
     return checkpoint
 
 
-def is_on_meta(model: nn.Module) -> bool:
-    return any(p.is_meta for p in model.parameters())
-
-
 def allocate(model: nn.Module, hf_model: nn.Module, device: torch.device) -> None:
     """Give every meta tensor of ``model`` (which holds ``hf_model``) uninitialised storage on ``device``:
     the buffers built for real (the rotary frequencies, computed from the config) keep their values, tied
@@ -140,9 +145,8 @@ class NativeRouting:
     correction: Optional[Tensor]
 
 
-def native_routings(directory: Path, hf_model: nn.Module) -> List[NativeRouting]:
+def native_routings(checkpoint: ImportedCheckpoint) -> List[NativeRouting]:
     """The checkpoint's routing of every sparse block, in order (router tensors read whole: they are small)."""
-    checkpoint = ImportedCheckpoint(directory, hf_model)
     rule = checkpoint.family.rule()
     routings = []
     for prefix in checkpoint.prefixes:
@@ -151,3 +155,26 @@ def native_routings(directory: Path, hf_model: nn.Module) -> List[NativeRouting]
             NativeRouting(rule, tensors["weight"], tensors.get("bias"), tensors.get("e_score_correction_bias"))
         )
     return routings
+
+
+def stock_tensor_specs(model: nn.Module) -> List[Tuple[str, Tuple[int, ...]]]:
+    """(key, shape) of every tensor save_pretrained writes for the stock transformers MoE ``model`` of a
+    family with gated experts without bias (Qwen3-MoE's), in the model's order: its in-memory state with
+    each sparse block's fused expert tensors replaced by the per-expert keys of the files. ``model`` may sit
+    on the meta device."""
+    family = family_of(model)
+    d, f = int(family.config.hidden_size), family.ffn_dim()
+    expert_shapes = {"w_gate": (f, d), "w_in": (f, d), "w_out": (d, f)}
+    fused = {f"{prefix}.{key}": prefix for prefix in sparse_block_prefixes(model) for key in family.fused_keys()}
+    specs: List[Tuple[str, Tuple[int, ...]]] = []
+    expanded = set()
+    for key, t in model.state_dict().items():
+        prefix = fused.get(key)
+        if prefix is None:
+            specs.append((key, tuple(t.shape)))
+        elif prefix not in expanded:  # a block's fused tensors become its experts' keys, once
+            expanded.add(prefix)
+            for expert in range(family.num_experts()):
+                keys = family.checkpoint_expert_keys(prefix, expert)
+                specs += [(keys[name], expert_shapes[name]) for name in ("w_gate", "w_in", "w_out")]
+    return specs

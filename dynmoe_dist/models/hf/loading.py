@@ -202,9 +202,22 @@ def load_model(
     path: str, head: str = "causal-lm", *, num_labels: Optional[int] = None, field: str = "model.path"
 ) -> nn.Module:
     """The pre-trained model with the head the task needs, in float32, in training mode."""
+    directory, gguf_file = resolve(path, field)
+    return load_resolved(directory, gguf_file, path, head, num_labels=num_labels, field=field)
+
+
+def load_resolved(
+    directory: Path,
+    gguf_file: Optional[str],
+    path: str,
+    head: str = "causal-lm",
+    *,
+    num_labels: Optional[int] = None,
+    field: str = "model.path",
+) -> nn.Module:
+    """``load_model`` of a path already resolved (``resolve``); ``path`` and ``field`` name it in errors."""
     if head not in HEADS:
         raise ValueError(f"head ({head!r}) must be one of {HEADS}")
-    directory, gguf_file = resolve(path, field)
     tf = _transformers()
     auto = {
         "causal-lm": tf.AutoModelForCausalLM,
