@@ -25,7 +25,7 @@ import shutil
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -34,7 +34,7 @@ from torch import Tensor
 from ..moe.config import MoEConfig
 
 # (MoE layer index, logical ids of the experts this rank holds, their modules in slot order)
-HeldExperts = Tuple[int, Sequence[int], Sequence[nn.Module]]
+HeldExperts = Tuple[int, Sequence[int], Iterable[nn.Module]]
 # parallel.fsdp.fill_local: fill a tensor (or this rank's FSDP rows of it) from a reader of rows
 FillRows = Callable[[Tensor, Callable[[int, int], Tensor]], None]
 # The files that define a transformers model besides its weights (copied into a checkpoint's model/)

@@ -40,8 +40,8 @@ DEFAULT = ("qwen2_moe", "deepseek_v3", "qwen2_moe fsdp", "olmoe top-any")
 
 
 def train_case(root, world, family, extra):
-    from dynmoe_dist.train.run import calibrate_at_start
     from dynmoe_dist.train.loop import Trainer
+    from dynmoe_dist.train.run import calibrate_at_start
 
     trainer = Trainer(load_config(None, settings(root, family, world, *extra)))
     calibration = calibrate_at_start(trainer)  # a top-any conversion: thresholds from every rank's tokens

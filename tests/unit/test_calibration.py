@@ -34,8 +34,8 @@ def test_a_converted_run_starts_at_the_models_k_with_its_own_loads(tmp_path):
     model's k (2) on the sample, the experts the native rule never used sit above every cosine, and the
     held-out loss before any step is recorded."""
     from dynmoe_dist.config import load_config
-    from dynmoe_dist.train.run import calibrate_at_start
     from dynmoe_dist.train.loop import Trainer
+    from dynmoe_dist.train.run import calibrate_at_start
 
     directory, _ = save_moe_checkpoint("olmoe", tmp_path / "olmoe", num_experts=8)
     (tmp_path / "c.txt").write_text("\n".join(corpus_lines(60, 2)) + "\n")

@@ -143,7 +143,8 @@ def test_checkpoint_files_load_with_weights_only(tmp_path):
     meta, experts = loaded["meta.pt"], loaded["experts_ep0.pt"]
     assert sorted(meta) == ["config", "format", "states", "step"]
     states = meta["states"]
-    assert sorted(states) == ["dense", "experts", "recorders", "trainer"]  # no adaptive controller here
+    assert sorted(states) == ["dense", "experts", "model", "recorders", "trainer"]  # no adaptive controller here
+    assert states["model"] == {"base": None, "definition": None}  # a built-in model: defined by the config alone
     assert meta["step"] == 1 and states["experts"]["num_experts"] == [3] and torch.is_tensor(states["trainer"]["rng"])
     assert states["trainer"]["data"]["step"] == 1 and states["recorders"] == {"window": None}
     # dense/ (DCP): every non-expert parameter by name (routers included), each with its Adam state after 1 step.
