@@ -252,6 +252,31 @@ def fixed_options(path: str) -> Optional[FixedOptions]:
     )
 
 
+def decided_options(path: str, moe: MoEConfig) -> Dict[str, Any]:
+    """'section.key' -> every value an imported MoE's config.json decides of the run (sizes, heads, blocks,
+    expert count and kind; ``--print-config`` shows them); {} for any other model. Reads the config only."""
+    from .hf.loading import resolve
+
+    directory, gguf_file = resolve(path)
+    if gguf_file is not None or moe_at(directory) is None:
+        return {}
+    from transformers import AutoConfig
+
+    from .hf.moe_families import family_of
+
+    family = family_of(AutoConfig.from_pretrained(str(directory), local_files_only=True))
+    layer = family.layer_config(moe)
+    return {
+        "model.dim": layer.dim,
+        "model.num_heads": int(family.config.num_attention_heads),
+        "model.num_layers": int(family.config.num_hidden_layers),
+        "model.ffn_dim": layer.ffn_dim,  # the experts' hidden size: moe.ffn_dim follows model.ffn_dim
+        "model.moe_layers": family.sparse_layers(),
+        **{f"moe.{key}": getattr(layer, key) for key in ("num_experts", "max_experts", "min_experts")},
+        **{f"moe.{key}": getattr(layer, key) for key in ("expert_kind", "activation", "expert_bias")},
+    }
+
+
 def require_moe(path: str, field: str) -> Dict[str, Any]:
     """``field`` must be a supported transformers MoE directory: its type, experts per layer and top-k; a
     one-line ValueError otherwise."""

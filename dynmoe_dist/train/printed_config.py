@@ -28,25 +28,9 @@ def checkpoint_decisions(config: RunConfig) -> Dict[str, Any]:
     config only, no weights."""
     if config.model.source != "hf":
         return {}
-    from transformers import AutoConfig
+    from ..models.source import decided_options
 
-    from ..models.hf.loading import resolve
-    from ..models.hf.moe_families import family_of, imported_moe
-
-    directory, gguf_file = resolve(config.model.path)
-    if gguf_file is not None or imported_moe(directory) is None:
-        return {}
-    family = family_of(AutoConfig.from_pretrained(str(directory), local_files_only=True))
-    moe = family.layer_config(config.moe)
-    return {
-        "model.dim": moe.dim,
-        "model.num_heads": int(family.config.num_attention_heads),
-        "model.num_layers": int(family.config.num_hidden_layers),
-        "model.ffn_dim": moe.ffn_dim,  # the experts' hidden size: moe.ffn_dim follows model.ffn_dim
-        "model.moe_layers": family.sparse_layers(),
-        **{f"moe.{key}": getattr(moe, key) for key in ("num_experts", "max_experts", "min_experts")},
-        **{f"moe.{key}": getattr(moe, key) for key in ("expert_kind", "activation", "expert_bias")},
-    }
+    return decided_options(config.model.path, config.moe)
 
 
 def with_decisions(config: RunConfig, decided: Dict[str, Any]) -> Tuple[RunConfig, Dict[str, str]]:
