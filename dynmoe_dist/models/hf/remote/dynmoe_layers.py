@@ -22,7 +22,7 @@ top-any only), ``<block>.mlp.moe.experts.experts.<e>.w_in`` ...; shared experts 
 Shape legend: T tokens, D model dim, F expert hidden dim, E experts, R rows routed to one expert.
 """
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 import torch.nn as nn
@@ -133,7 +133,7 @@ class DynMoERouter(nn.Module):
         dtype = torch.promote_types(gate_dtype(x_TD), self.weight.dtype)
         logits_TE = x_TD.to(dtype) @ self.weight.to(dtype).t()
         if self.options["router"] == "top_k":
-            return top_k(logits_TE, int(self.options["top_k"]), self.choice_bias)
+            return top_k(logits_TE, int(self.options["top_k"]), cast(Optional[Tensor], self.choice_bias))
         return top_p(logits_TE, float(self.options["top_p"]))
 
 
