@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from dynmoe_dist.kernels import grouped_mm, grouped_mm_reference, grouped_mm_supports
+from dynmoe_dist.kernels.grouped_gemm import grouped_mm, grouped_mm_reference, grouped_mm_supports
 
 from dynmoe_dist.moe import ExpertBank, MoEConfig
 from dynmoe_dist.moe.experts import reference_forward

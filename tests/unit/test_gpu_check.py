@@ -136,7 +136,7 @@ stdlib = set(sys.stdlib_module_names) | {"cython_runtime"}
 new = {m.split(".")[0] for m in set(sys.modules) - baseline if not m.startswith("_")} - stdlib
 allowed = gpu_sections.ALLOWED_IMPORTS | gpu_sections.torch_requirements()
 print(json.dumps({"new": sorted(new), "allowed": sorted(allowed),
-                  "dynmoe_dist": __import__("dynmoe_dist").__file__, "kernels": dynmoe_dist.kernels.__file__}))
+                  "dynmoe_dist": __import__("dynmoe_dist").__file__, "kernels": list(dynmoe_dist.kernels.__path__)}))
 """
 
 
@@ -153,7 +153,7 @@ def test_plain_checkout_runs_and_imports_only_what_the_gpu_machine_has(tmp_path)
     )
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert seen["kernels"] == str(ROOT / "kernels" / "__init__.py")
+    assert seen["kernels"] == [str(ROOT / "kernels")]
     assert seen["dynmoe_dist"] == str(ROOT / "dynmoe_dist" / "__init__.py")
     assert set(seen["new"]) <= set(seen["allowed"]), sorted(set(seen["new"]) - set(seen["allowed"]))
     assert (tmp_path / "gpu_check.json").is_file() and (tmp_path / "gpu_check.md").is_file()

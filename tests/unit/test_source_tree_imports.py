@@ -97,14 +97,16 @@ SHADOW_PROBE = """
 import sys
 sys.path.insert(1, sys.argv[1])  # an installed package's place, after the checkout's root ('')
 import kernels
-import dynmoe_dist.kernels
-print(kernels.ORIGIN, dynmoe_dist.kernels.grouped_mm.__module__)
+import dynmoe_dist.kernels.grouped_gemm
+print(kernels.ORIGIN, dynmoe_dist.kernels.grouped_gemm.grouped_mm.__module__)
 """
 
 
 def test_a_bare_import_kernels_gets_the_installed_package_not_this_folder(tmp_path):
     """From the checkout's root (python -m puts it first on sys.path), transformers >= 5.25 imports
-    Hugging Face's `kernels` package: it must get that one, and dynmoe_dist.kernels must stay ours."""
+    Hugging Face's `kernels` package: it must get that one, and dynmoe_dist.kernels must stay ours. No import
+    is forwarded: kernels/ has no __init__.py, so the folder is only a namespace-package candidate, which
+    loses to a regular package found later on sys.path."""
     site = tmp_path / "site"
     (site / "kernels").mkdir(parents=True)
     (site / "kernels" / "__init__.py").write_text("ORIGIN = 'installed'\n")
@@ -115,9 +117,9 @@ def test_a_bare_import_kernels_gets_the_installed_package_not_this_folder(tmp_pa
     done = run("-c", SHADOW_PROBE, str(site))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["installed", "dynmoe_dist.kernels.grouped_gemm"]
-    # No such package anywhere (-S: no site-packages, where transformers 5.25 installs the real one): an
-    # empty module without a version, which transformers' availability probe (5.24 imports what it finds)
-    # reads as not installed; nothing of ours is executed under the wrong name.
+    # No such package anywhere (-S: no site-packages, where transformers 5.25 installs the real one): the
+    # folder as an empty namespace package without a version, which transformers' availability probe (5.24
+    # imports what it finds) reads as not installed; nothing of ours is executed under the wrong name.
     missing = run("-S", "-c", "import kernels; print(hasattr(kernels, '__version__'), hasattr(kernels, 'grouped_mm'))")
     assert missing.returncode == 0, missing.stderr[-3000:]
     assert missing.stdout.split() == ["False", "False"]
