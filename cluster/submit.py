@@ -7,7 +7,12 @@ The driver builds the RunConfig (the same TOML + ``--set`` as ``dynmoe-train``),
 STORAGE/NAME (metrics.jsonl, checkpoints, report), starts the job's restartable plan actor, and runs Ray
 Train ``TorchTrainer`` workers (nccl with GPUs, gloo without). A failed worker makes Ray Train restart the
 whole group (``--max-failures``); the new workers resume from the newest complete checkpoint. At the end it
-writes ``ray_summary.json``: wall time, steps/s, the adaptive events and who planned them, restarts.
+writes ``ray_summary.json``: wall time, steps/s, the adaptive events and who planned them, restarts, and
+prints the summary torchrun prints (train/cli.summary: scores, report, checkpoint, export command). The
+job's log shows rank 0's progress as torchrun's does (a line every 30 s in a log).
+
+``--check`` (launcher/ray_submit.sh runs it before submitting) also checks that the workers will find every
+path the run names (cluster/job_paths.py) and says where the run's files will be.
 """
 
 from __future__ import annotations
@@ -21,13 +26,16 @@ from typing import Dict, List, Optional
 
 from dynmoe_dist.cluster import RayMissing, import_ray
 from dynmoe_dist.cluster.coordinator import NAMESPACE, actor_name, start_plan_actor
+from dynmoe_dist.cluster.job_paths import check_job_paths
 from dynmoe_dist.cluster.worker import clear_worker_errors, train_worker, worker_errors, worker_starts
 
 from dynmoe_dist.config import RunConfig, check_world, load_config
-from dynmoe_dist.train.cli import USAGE_ERROR, one_line
+from dynmoe_dist.train.cli import USAGE_ERROR, one_line, summary
+from dynmoe_dist.train.finish import finished_files
 from dynmoe_dist.train.startup import prepare_run
 
 SUMMARY_FILE = "ray_summary.json"
+RUNTIME_ENV = "cluster/runtime_env.yaml"  # relative to the working dir, as launcher/ray_submit.sh submits it
 
 
 def parser() -> argparse.ArgumentParser:
@@ -59,8 +67,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--check",
         action="store_true",
-        help="only check the config and these arguments (no Ray needed) and exit: 0, or 2 with one error line "
-        "(launcher/ray_submit.sh runs this before it submits anything)",
+        help="only check the config, these arguments and that the job's workers will find every path the run "
+        "names (shipped with --working-dir, see cluster/job_paths.py), print where the run's files will be, and "
+        "exit: 0, or 2 with one error line (launcher/ray_submit.sh runs this before it submits anything)",
+    )
+    p.add_argument("--working-dir", default=".", help="with --check: the working dir the job is submitted with")
+    p.add_argument(
+        "--runtime-env", default=RUNTIME_ENV, help="with --check: the runtime env file the job is submitted with"
     )
     return p
 
@@ -80,7 +93,6 @@ def resolve(args) -> RunConfig:
     out_dir = Path(args.storage_path).expanduser().resolve() / name
     config.output.out_dir = str(out_dir)
     config.output.resume = args.resume or config.output.resume
-    config.output.progress = False  # workers have no terminal: a progress bar would only garble the job log
     if not config.output.resume:
         check_fresh(out_dir)
     return config
@@ -155,13 +167,18 @@ def read_records(out_dir: Path) -> List[Dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def summarize(out_dir: Path, wall_s: float, coordinator_restarts: Optional[int]) -> Dict:
-    """The job's figures from metrics.jsonl (a resumed run repeats some steps: the last attempt counts)."""
-    records = read_records(out_dir)
+def final_record(out_dir: Path, records: List[Dict]) -> Dict:
+    """The run's last final record (a resumed run repeats some steps: the last attempt counts)."""
     finals = [r for r in records if r["kind"] == "final"]
     if not finals:
         raise RuntimeError(f"the job ended without a final record in {out_dir / 'metrics.jsonl'}")
-    final = finals[-1]
+    return finals[-1]
+
+
+def summarize(out_dir: Path, wall_s: float, coordinator_restarts: Optional[int]) -> Dict:
+    """The job's figures from metrics.jsonl (a resumed run repeats some steps: the last attempt counts)."""
+    records = read_records(out_dir)
+    final = final_record(out_dir, records)
     step_s = {r["step"]: r["step_s"] for r in records if r["kind"] == "step"}
     events = [
         {k: r[k] for k in ("version", "step", "layer", "removed", "added", "num_experts", "planned_by")}
@@ -187,6 +204,19 @@ def summarize(out_dir: Path, wall_s: float, coordinator_restarts: Optional[int])
     }
 
 
+def run_summary(config: RunConfig) -> str:
+    """What torchrun prints at the end (train/cli.summary): the final scores, the experts, and where the
+    report, the newest checkpoint and the export command are; from the files the workers left."""
+    out_dir = Path(config.output.out_dir)
+    report = out_dir / "report.png"
+    files = finished_files(str(out_dir), config.model.source == "hf", report if report.is_file() else None)
+    return summary(final_record(out_dir, read_records(out_dir)) | files, str(out_dir))
+
+
+def output_line(config: RunConfig) -> str:
+    return f"dynmoe ray: the run's files go to {config.output.out_dir} (--storage-path/--name)"
+
+
 def error_line(err: object) -> str:
     """The same one line as `dynmoe-train` prints for a mistake."""
     return f"dynmoe-train: error: {one_line(err)}"
@@ -198,18 +228,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not args.check:
             import_ray("ray.train.torch")
         config = resolve(args)
+        if args.check:
+            check_job_paths(config, args.config, Path(args.working_dir), Path(args.runtime_env))
     except (RayMissing, ValueError) as err:
         print(error_line(err), file=sys.stderr, flush=True)
         return USAGE_ERROR
     if args.check:
+        print(output_line(config), flush=True)
         return 0
-    summary = launch(config, args)
+    figures = launch(config, args)
     errors = worker_errors(config.output.out_dir)
     if errors:  # a mistake only the running workers could see (the token cache, a checkpoint)
         print(errors[min(errors)], file=sys.stderr, flush=True)
         return USAGE_ERROR
-    (Path(config.output.out_dir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
-    print("dynmoe ray summary: " + json.dumps({k: v for k, v in summary.items() if k != "events"}), flush=True)
+    (Path(config.output.out_dir) / SUMMARY_FILE).write_text(json.dumps(figures, indent=1) + "\n")
+    print("dynmoe ray summary: " + json.dumps({k: v for k, v in figures.items() if k != "events"}), flush=True)
+    print(run_summary(config), flush=True)
     return 0
 
 

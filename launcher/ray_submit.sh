@@ -8,17 +8,22 @@
 # PYTHON is the environment with dynmoe_dist and Ray here (default: the project's .venv, see
 # launcher/python.sh); JOB_PYTHON the interpreter the job runs on the cluster (default: python; with
 # --local: PYTHON). The job runs in a copy of this repository, so relative paths start from its root.
-# The config is checked here first, before a head starts or anything is submitted: a mistake is one line
-# `dynmoe-train: error: ...` and exit status 2.
+# The config is checked here first, before a head starts or anything is submitted, and so is every path
+# the run names: a relative one must be in the upload (runs/ is not: name a model trained there by its
+# absolute path on storage every node reads; with --local, this machine's). A mistake is one line
+# `dynmoe-train: error: ...` and exit status 2. The check prints where the run's files will be
+# (default ~/dynmoe_runs/NAME, NAME the basename of output.out_dir); the job ends with the summary torchrun
+# prints (report, checkpoint, export command).
 set -eu
 . "$(dirname "$0")/python.sh"
 cd "$(dirname "$0")/.."
+RUNTIME_ENV=cluster/runtime_env.yaml
 LOCAL=0
 if [ "${1:-}" = "--local" ]; then
     LOCAL=1
     shift
 fi
-"$PYTHON" -m dynmoe_dist.cluster.submit --check "$@" || exit $?
+"$PYTHON" -m dynmoe_dist.cluster.submit --check --working-dir . --runtime-env "$RUNTIME_ENV" "$@" || exit $?
 if [ "$LOCAL" = 1 ]; then
     # Ray keeps 127.0.0.1 instead of rewriting it to the machine's outward address.
     export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 MASTER_ADDR=127.0.0.1
@@ -46,5 +51,5 @@ fi
 # `python -m ray.scripts.scripts` is the `ray` command of PYTHON's environment. The relay ends the output
 # with the job's one error line (exit status 2) instead of Ray's failure report.
 "$PYTHON" -m dynmoe_dist.cluster.relay "$PYTHON" -m ray.scripts.scripts job submit --address "$RAY_ADDRESS" \
-    --working-dir . --runtime-env cluster/runtime_env.yaml -- \
+    --working-dir . --runtime-env "$RUNTIME_ENV" -- \
     "${JOB_PYTHON:-python}" -m dynmoe_dist.cluster.submit "$@"

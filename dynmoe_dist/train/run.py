@@ -19,6 +19,7 @@ from ..parallel.groups import barrier
 from .adaptive import AdaptiveController
 from .calibrate import calibrate_converted
 from .checkpoint import CheckpointManager
+from .finish import finished_files
 from .loop import Trainer
 from .startup import resolve_optional_features
 from .telemetry import Telemetry
@@ -188,19 +189,10 @@ def evaluation(trainer: Trainer, wait: str = "held-out scoring") -> Dict:
 
 
 def run_files(config: RunConfig, trainer: Trainer) -> Dict[str, str]:
-    """Where the run left what a user looks at next (rank 0, at the end): the report, the newest complete
-    checkpoint, and the command that exports it when the model can be exported (model.source = 'hf')."""
-    from .checkpoint import complete_checkpoints
-
-    out_dir, files = config.output.out_dir, {}
-    if config.output.report:
-        files["report"] = str(draw_run_report(Path(out_dir)))
-    found = complete_checkpoints(out_dir)
-    if found:
-        files["checkpoint"] = str(found[-1])
-        if config.model.source == "hf":
-            files["export_command"] = f"python -m dynmoe_dist.export {found[-1]} --out {Path(out_dir) / 'export'}"
-    return files
+    """Where the run left what a user looks at next (rank 0, at the end), the report drawn first."""
+    out_dir = config.output.out_dir
+    report = draw_run_report(Path(out_dir)) if config.output.report else None
+    return finished_files(out_dir, exportable=config.model.source == "hf", report=report)
 
 
 RUN_FILES = ("metrics.jsonl", "tensorboard", "checkpoints", "report.png")

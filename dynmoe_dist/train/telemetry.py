@@ -24,7 +24,7 @@ import os
 import sys
 from numbers import Integral, Real
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, TextIO
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -322,8 +322,24 @@ def _short_number(value: float) -> str:
     return f"{value:.0f}"
 
 
+class LogLines:
+    """A stream for tqdm in a log: each redraw (tqdm's '\r' + bar) becomes one line, blank redraws (its
+    clearing before a message) are dropped."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        line = text.replace("\r", "").rstrip()
+        if line:
+            self.stream.write(line + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 # Seconds between redraws: in place on a terminal; in a log file (Ray job logs, nohup) every redraw is
-# appended as a line, so only every 30 s there.
+# a line of its own (LogLines), so only every 30 s there.
 TERMINAL_REDRAW_S, LOG_FILE_REDRAW_S = 0.1, 30.0
 WAIT_SHOWN_AFTER_S = 2.0
 """A wait bar appears only once its wait has lasted this long: a wait of a second needs no bar."""
@@ -334,7 +350,8 @@ def _tqdm(total: int, unit: str, **options: Any):
 
     interactive = sys.stderr.isatty()
     redraw_s = TERMINAL_REDRAW_S if interactive else LOG_FILE_REDRAW_S
-    return tqdm(total=total, unit=unit, dynamic_ncols=True, mininterval=redraw_s, **options)
+    stream = sys.stderr if interactive else LogLines(sys.stderr)
+    return tqdm(total=total, unit=unit, dynamic_ncols=True, mininterval=redraw_s, file=stream, **options)
 
 
 class ProgressBar:

@@ -241,7 +241,7 @@ def assert_losses_equal(out_dir: Path, reference: Path, rel: float = 1e-6) -> No
     assert worst <= rel, f"largest relative loss difference {worst:.3g} > {rel:g}"
 
 
-def local_submit(python: str, storage: Path, name: str, timeout_s: float = 300):
+def local_submit(python: str, storage: Path, name: str, timeout_s: float = 300, progress: bool = False):
     """launcher/ray_submit.sh --local with the demo config for 30 steps, as the README gives it: a
     temporary head on 127.0.0.1, the job, then only that head's processes stopped. Returns the finished
     process and the job's ray_summary.json (the caller asserts on the return code first)."""
@@ -261,7 +261,7 @@ def local_submit(python: str, storage: Path, name: str, timeout_s: float = 300):
         "--set",
         "train.max_steps=30",
         "--set",
-        "output.progress=false",
+        f"output.progress={str(progress).lower()}",
         "--set",
         "output.report=false",
     ]

@@ -3,6 +3,7 @@ only that head's processes stopped."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +17,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow  # about 60 s: a Ray head started and stopped by the script
 def test_local_submit_script_runs_a_job_and_cleans_up(tmp_path):
+    """Where the run's files go is said before the job starts; the job's log shows rank 0's progress (a line
+    per redraw) and ends with torchrun's summary."""
     needs_ray()
     # A relative interpreter path, as in `PYTHON=.venv/bin/python launcher/ray_submit.sh ...`
-    done, summary = local_submit(os.path.relpath(sys.executable, ROOT), tmp_path, "script")
+    done, summary = local_submit(os.path.relpath(sys.executable, ROOT), tmp_path, "script", progress=True)
     assert summary["steps"] == 30 and summary["planned_by"] == ["ray"]
     assert "stopped" in done.stdout + done.stderr  # the script stopped its own head
+    output = done.stdout + done.stderr
+    assert f"dynmoe ray: the run's files go to {tmp_path / 'script'} (--storage-path/--name)" in output
+    assert re.search(r"RayTrainWorker.*\b30/30 \[", output), output[-4000:]  # the progress bar, as lines
+    lines = done.stdout.splitlines()
+    end = lines.index(f"metrics:    {tmp_path / 'script'}/metrics.jsonl")
+    assert lines[end - 2].startswith("final (step 30, ") and "test accuracy" in lines[end - 2]
+    assert lines[end + 1] == f"checkpoint: {tmp_path / 'script' / 'checkpoints' / 'step_000030'}"
 
 
 @pytest.mark.slow
