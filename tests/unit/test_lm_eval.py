@@ -129,3 +129,45 @@ def test_a_tokenizer_without_bos_or_eos_starts_documents_with_cls(tmp_path):
     save_tokenizer(word_level)  # has <eos>
     assert lmeval.start_token(bert, str(bert)) == 101  # [CLS] of the uncased BERT vocabulary
     assert lmeval.start_token(word_level, str(word_level)) is None
+
+
+@pytest.fixture(scope="module")
+def file_scored(evaluated):
+    """lm-eval --file on a .jsonl of the user's (its documents under 'body'), over the same export."""
+    from hf_tiny import corpus_lines
+
+    root = evaluated[0]
+    docs = corpus_lines(5, 7)
+    (root / "mine.jsonl").write_text("".join(json.dumps({"body": text, "id": i}) + "\n" for i, text in enumerate(docs)))
+    lmeval.main(
+        [str(root / "model"), "--file", str(root / "mine.jsonl"), "--text-field", "body"]
+        + ["--tasks-dir", str(root / "file_tasks"), "--out", str(root / "file.json")]
+    )
+    return root, json.loads((root / "file.json").read_text()), docs
+
+
+def test_the_users_file_gets_the_models_own_perplexity(file_scored):
+    root, report, docs = file_scored
+    model, tokenizer = exported(root)
+    total_ll, words, num_bytes = 0.0, 0, 0
+    for text in docs:
+        total_ll += loglikelihood(model, [tokenizer.eos_token_id], tokenizer.encode(text))
+        words += len(re.split(r"\s+", text))
+        num_bytes += len(text.encode("utf-8"))
+    assert set(report["tasks"]) == {lmeval.FILE_TASK} and "held_out_snippets" not in report  # only the file
+    assert report["num_docs"][lmeval.FILE_TASK] == len(docs)
+    got = report["tasks"][lmeval.FILE_TASK]
+    assert got["word_perplexity"] == pytest.approx(math.exp(-total_ll / words), rel=1e-5)
+    assert got["byte_perplexity"] == pytest.approx(math.exp(-total_ll / num_bytes), rel=1e-5)
+
+
+def test_tasks_are_checked_against_lm_evals_own_before_the_model_loads(evaluated, capsys):
+    model = str(evaluated[0] / "model")
+    for tasks, expected in (
+        ("hellaswg", "--tasks: 'hellaswg' is not an lm-eval task installed here (close names: hellaswag"),
+        ("lambada_openai", "--tasks: 'lambada_openai' reads its data from the Hugging Face hub"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            lmeval.main([model, "--tasks", tasks, "--train-config", ""])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.count("\n") == 1 and expected in err, err
