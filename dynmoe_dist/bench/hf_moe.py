@@ -282,7 +282,7 @@ def main(argv=None) -> None:
             f"--batch ({batch}) must be even and >= 2, --seq-len ({seq_len}) >= 2, --steps ({args.steps}) >= 1"
         )
     root = Path(tempfile.mkdtemp(prefix="bench_hf_moe_"))
-    directory = Path(args.keep) if args.keep else root / "qwen3_moe"
+    directory = Path(args.keep) if args.keep else root / "moe"
     try:
         described = write_checkpoint(directory, shape, max_shard_bytes=256 * MIB)
         spec = dict(directory=str(directory), vocab=shape.vocab, batch=batch, seq_len=seq_len, seed=0)

@@ -211,7 +211,7 @@ def main(argv=None) -> None:
     ranks = parse_ranks(args.ranks)
     shape = TINY if args.tiny else FULL
     root = Path(tempfile.mkdtemp(prefix="bench_import_"))
-    directory = Path(args.keep) if args.keep else root / "qwen3_moe"
+    directory = Path(args.keep) if args.keep else root / "moe"
     try:
         started = time.perf_counter()
         described = write_checkpoint(directory, shape, max_shard_bytes=int(args.shard_mib * MIB))

@@ -151,7 +151,7 @@ def describe(shape: Qwen3MoeShape, specs: List[Spec], num_files: int) -> Dict:
     dense = sum(math.prod(s) for key, s in specs if not is_expert_key(key))
     mib = BYTES_PER_VALUE / 2**20
     return {
-        "family": "qwen3_moe",
+        "family": "Qwen3-MoE",  # the benchmarks write this one family (Qwen3MoeConfig)
         **asdict(shape),
         "dtype": "float32",
         "num_tensors": len(specs),

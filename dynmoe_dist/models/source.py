@@ -262,7 +262,7 @@ def decided_options(path: str, moe: MoEConfig) -> Dict[str, Any]:
         return {}
     from transformers import AutoConfig
 
-    from .hf.moe_families import family_of
+    from .hf.families import family_of
 
     family = family_of(AutoConfig.from_pretrained(str(directory), local_files_only=True))
     layer = family.layer_config(moe)
@@ -300,7 +300,7 @@ def moe_at(directory: Path, field: str = "model.path"):
 
 @lru_cache(maxsize=16)
 def _moe_at(directory: str, _mtime_ns: int, _size: int, field: str):
-    from .hf.moe_families import imported_moe
+    from .hf.families import imported_moe
 
     return imported_moe(Path(directory), field)
 

@@ -96,7 +96,7 @@ class GptOssFeedForward(nn.Module):
 
     The checkpoint interleaves gate and up columns in one (D, 2F) matrix per expert (gate_up_proj[e][:, 0::2]
     is the gate); here they are GatedFeedForward's two (F, D) weights, so code reading ``w_in`` works on every
-    kind (models/hf/moe_families.py maps the layouts). Biases always: gpt-oss experts have them."""
+    kind (models/hf/families/ maps the layouts). Biases always: gpt-oss experts have them."""
 
     def __init__(self, dim: int, ffn_dim: int, *, alpha: float = 1.702, limit: float = 7.0, init_std: float = 0.02):
         super().__init__()

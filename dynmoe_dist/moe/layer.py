@@ -199,7 +199,7 @@ def make_router(config: MoEConfig, rule: Optional[NativeRule] = None) -> Router:
         if rule is None:
             raise ValueError(
                 "router ('native') needs the checkpoint's routing rule (a NativeRule, from "
-                "models/hf/moe_families.py): it is only for imported transformers MoE models"
+                "models/hf/families/): it is only for imported transformers MoE models"
             )
         return NativeRouter(config, rule)
     if rule is not None:

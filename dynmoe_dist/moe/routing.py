@@ -180,7 +180,7 @@ SIGMOID_RENORM_EPS = 1e-20
 
 @dataclass(frozen=True)
 class NativeRule:
-    """How a transformers MoE family routes, read from its checkpoint's config (models/hf/moe_families.py).
+    """How a transformers MoE family routes, read from its checkpoint's config (models/hf/families/).
 
     Not a run option: the checkpoint fixes it and every rank (and every resume) reads the same checkpoint. It
     travels on the router module (``NativeRouter.rule``), so it never enters [moe], --help, to_toml or the

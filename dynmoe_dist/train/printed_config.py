@@ -2,7 +2,7 @@
 
 A run importing a transformers MoE (model.source = 'hf' naming Mixtral, Qwen-MoE, OLMoE, DeepSeek-V3 or
 gpt-oss) takes its sizes, expert count, sparse blocks and expert kind from the checkpoint's config.json
-(models/hf/moe_families.py ``layer_config``), whatever the run file says. The printed config shows those
+(models/hf/families/ ``layer_config``), whatever the run file says. The printed config shows those
 values, each with a comment saying so and which value of the run file it overrides, so that what is
 printed is what runs (and reads back as the same run).
 """

@@ -1,4 +1,4 @@
-"""Imported transformers MoE families (models/hf/moe_families.py, moe_import.py, stock_layout.py,
+"""Imported transformers MoE families (models/hf/families/, moe_import.py, stock_layout.py,
 safetensors_reader.py) on tiny random models of all six families (tests/hf_tiny.py MOE_FAMILIES).
 
 The converted model must compute what transformers computes on the same weights and tokens: logits, the
@@ -19,24 +19,10 @@ import safetensors  # noqa: E402
 import torch  # noqa: E402
 from hf_tiny import MOE_FAMILIES, MOE_FFN, NUM_EXPERTS, randomize, tiny_model  # noqa: E402
 
-from dynmoe_dist.models.hf.moe_families import (  # noqa: E402
-    expert_tensors,
-    family_of,
-    sparse_block_prefixes,
-)
+from dynmoe_dist.models.hf.families import family_of, sparse_block_prefixes  # noqa: E402
 from dynmoe_dist.models.hf.moe_import import import_moe  # noqa: E402
 from dynmoe_dist.models.hf.safetensors_reader import CheckpointReader, read_all  # noqa: E402
-from dynmoe_dist.models.hf.stock_layout import (  # noqa: E402
-    check_block_shapes,
-    from_fused_layout,
-    imported_blocks,
-    read_expert,
-    read_router,
-    save_stock,
-    stock_state_dict,
-    to_checkpoint_layout,
-    to_fused_layout,
-)
+from dynmoe_dist.models.hf.stock_layout import imported_blocks, save_stock, stock_state_dict  # noqa: E402
 from dynmoe_dist.models.hf.upcycle import MoEBlock  # noqa: E402
 from dynmoe_dist.moe import MoEConfig  # noqa: E402
 from dynmoe_dist.moe.aux_collector import collect_aux_losses  # noqa: E402
@@ -95,7 +81,7 @@ def test_forward_loss_and_every_gradient_equal_transformers(family, dtype):
     loss_o.backward()
     # an expert no token chose has no gradient here, and zeros in its slice of the fused gradient there
     grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in ours.named_parameters()}
-    mapped = to_fused_layout(family_of(ref), grads, sparse_block_prefixes(ref))
+    mapped = family_of(ref).to_fused_layout(grads, sparse_block_prefixes(ref))
     want = {name: p.grad for name, p in ref.named_parameters()}
     assert set(mapped) == set(want)
     for name, grad in want.items():
@@ -117,13 +103,13 @@ def test_key_mapping_both_ways_is_transformers_state_and_checkpoint_exactly(fami
     ours = import_moe(copy.deepcopy(ref))
     adapter, prefixes, state = family_of(ref), sparse_block_prefixes(ref), ours.state_dict()
     # in memory: transformers' fused parameters, and back
-    fused, theirs = to_fused_layout(adapter, state, prefixes), ref.state_dict()
+    fused, theirs = adapter.to_fused_layout(state, prefixes), ref.state_dict()
     assert set(fused) == set(theirs) and all(torch.equal(fused[k], theirs[k]) for k in theirs)
-    back = from_fused_layout(adapter, theirs, prefixes)
+    back = adapter.from_fused_layout(theirs, prefixes)
     assert set(back) == set(state) and all(torch.equal(back[k], v) for k, v in state.items())
     # on disk: exactly the tensors transformers' own save_pretrained writes
     ref.save_pretrained(tmp_path)
-    files, ours_on_disk = read_all(tmp_path), to_checkpoint_layout(adapter, state, prefixes)
+    files, ours_on_disk = read_all(tmp_path), adapter.to_checkpoint_layout(state, prefixes)
     assert set(ours_on_disk) == set(files) and all(torch.equal(ours_on_disk[k], files[k]) for k in files)
 
 
@@ -256,9 +242,9 @@ def test_reader_reads_one_expert_and_nothing_of_the_others(family, how, tmp_path
     adapter, prefix = family_of(ref), sparse_block_prefixes(ref)[-1]
     spy = Spy(monkeypatch)
     with CheckpointReader(tmp_path) as reader:
-        got = read_expert(reader, adapter, prefix, 4)
-        router = read_router(reader, adapter, prefix)
-    want = expert_tensors(adapter, {k: ref.get_parameter(f"{prefix}.{k}") for k in adapter.fused_keys()}, 4)
+        got = adapter.read_expert(reader, prefix, 4)
+        router = adapter.read_router(reader, prefix)
+    want = adapter.expert_tensors({k: ref.get_parameter(f"{prefix}.{k}") for k in adapter.fused_keys()}, 4)
     assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
     assert all(got[n].is_contiguous() for n in got)
     theirs_router = dict(ref.named_parameters()) | dict(ref.named_buffers())
@@ -305,7 +291,7 @@ def test_a_stored_expert_tensor_of_the_wrong_shape_is_one_line_naming_file_key_a
     state[key] = state[key][cut].contiguous()  # a checkpoint that disagrees with its config
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with CheckpointReader(tmp_path) as reader, pytest.raises(ValueError) as err:
-        check_block_shapes(reader, family_of(ref), "model.layers.1.mlp")
+        family_of(ref).check_block_shapes(reader, "model.layers.1.mlp")
     message = str(err.value)
     assert "\n" not in message and str(tmp_path / "model.safetensors") in message and key in message
     assert str(tuple(state[key].shape)) in message and str(want or good) in message

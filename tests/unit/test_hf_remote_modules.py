@@ -161,8 +161,24 @@ def test_format_3_sections_are_read_and_a_dense_layer_is_no_moe_block():
     fields = tiny_config("qwen3_moe", 16).to_dict()  # mlp_only_layers = [0]: layer 0 is dense
     fields = {k: v for k, v in fields.items() if k not in ("model_type", "architectures", "transformers_version")}
     spec = {"expert_kind": "gated", "activation": "silu", "expert_bias": False, "ffn_dim": 12}
-    section = {**good, "moe_blocks": [0], "experts": [spec], "moe": {"router": "top_any"}}
+    section = {**good, "moe_blocks": [0], "experts": [spec], "moe": {"router": "top_any"}, "block": "routed"}
     config = configuration_dynmoe_moe.DynMoEQwen3MoeConfig(**fields)
     config.dynmoe = section
     with pytest.raises(ValueError, match=r"moe_blocks entry \(0\) is no sparse MoE block \(Qwen3MoeMLP\)"):
         modeling_dynmoe_moe.DynMoEQwen3MoeForCausalLM(config)
+    config.dynmoe = {**section, "moe_blocks": [1], "block": "tied"}
+    with pytest.raises(ValueError, match=r"config.dynmoe: block \('tied'\) must be one of \['routed', "):
+        modeling_dynmoe_moe.DynMoEQwen3MoeForCausalLM(config)
+
+
+def test_the_remote_classes_are_made_once_per_stock_class_and_only_for_transformers_classes():
+    from dynmoe_dist.models.hf.remote import configuration_dynmoe_moe, modeling_dynmoe_moe
+
+    model_class = modeling_dynmoe_moe.DynMoEMixtralForCausalLM
+    assert model_class is modeling_dynmoe_moe.DynMoEMixtralForCausalLM  # one class: AutoConfig maps to it
+    assert model_class.config_class is configuration_dynmoe_moe.DynMoEMixtralConfig
+    assert model_class.config_class.model_type == "dynmoe_mixtral"
+    assert modeling_dynmoe_moe.DynMoEDeepseekV3ForCausalLM._keep_in_fp32_modules_strict[-1] == "moe.router.weight"
+    for module, name in ((modeling_dynmoe_moe, "DynMoENoSuchForCausalLM"), (configuration_dynmoe_moe, "Mixtral")):
+        with pytest.raises(AttributeError, match=name):
+            getattr(module, name)

@@ -31,7 +31,7 @@ from hf_tiny import NUM_EXPERTS, randomize, tiny_model  # noqa: E402
 
 from dynmoe_dist.hf import from_pretrained, import_moe  # noqa: E402
 from dynmoe_dist.models.hf import remote  # noqa: E402
-from dynmoe_dist.models.hf.moe_families import family_of  # noqa: E402
+from dynmoe_dist.models.hf.families import family_of  # noqa: E402
 from dynmoe_dist.models.hf.pretrained import dynmoe_section, save_exported  # noqa: E402
 from dynmoe_dist.moe.config import MoEConfig  # noqa: E402
 from dynmoe_dist.moe.layer import find_moe_layers  # noqa: E402

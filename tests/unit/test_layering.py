@@ -409,3 +409,57 @@ def test_the_source_check_catches_each_question():
         "dynmoe_dist/export.py:4 reads .is_meta",
         "dynmoe_dist/export.py:5 calls is_on_meta",
     ]
+
+
+# -- the model wing's rule: one family, one place (models/hf/families/) ---------------------------------------
+FAMILY_HOME = "dynmoe_dist/models/hf/"
+# The one family name that is also a name outside the wing: moe/'s expert kind 'gpt_oss' (gpt-oss's clamped
+# SwiGLU expert), which exports and training checkpoints record.
+EXPERT_KIND_NAMES = {("gpt_oss", "dynmoe_dist/moe/")}
+
+
+def _family_names():
+    """(model types, adapter class names) of every family the registry holds, and the adapters' bases."""
+    from dynmoe_dist.models.hf.families import FAMILIES
+    from dynmoe_dist.models.hf.families.base import MoEFamily
+
+    classes = {base.__name__ for cls in FAMILIES.values() for base in cls.__mro__ if issubclass(base, MoEFamily)}
+    return set(FAMILIES), classes
+
+
+def family_offences(path: Path, source: str = None, names=None):
+    """A family's model type as a string, or an isinstance on a family adapter class, in ``path``."""
+    rel = str(path.relative_to(ROOT))
+    if rel.startswith(FAMILY_HOME):
+        return []
+    model_types, classes = names or _family_names()
+    tree = ast.parse(source if source is not None else path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and node.value in model_types:
+            if not any(node.value == name and rel.startswith(home) for name, home in EXPERT_KIND_NAMES):
+                found.append((node.lineno, f"names the family {node.value!r}"))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+            named = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+            named |= {n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)}
+            found += [(node.lineno, f"isinstance on the family class {c}") for c in sorted(named & classes)]
+    return [f"{rel}:{line} {what}" for line, what in sorted(found)]
+
+
+def test_no_family_is_named_outside_models_hf():
+    offenders = [line for path in _all_files() for line in family_offences(path)]
+    assert not offenders, offenders
+
+
+def test_the_family_check_catches_names_and_isinstance():
+    here = ROOT / "dynmoe_dist" / "export.py"
+    planted = 'if kind == "deepseek_v3":\n    pass\nok = isinstance(family, (Qwen2MoE, GptOss))\nx = "gpt_oss"\n'
+    assert family_offences(here, planted) == [
+        "dynmoe_dist/export.py:1 names the family 'deepseek_v3'",
+        "dynmoe_dist/export.py:3 isinstance on the family class GptOss",
+        "dynmoe_dist/export.py:3 isinstance on the family class Qwen2MoE",
+        "dynmoe_dist/export.py:4 names the family 'gpt_oss'",
+    ]
+    assert family_offences(ROOT / "dynmoe_dist" / "moe" / "config.py", 'k = "gpt_oss"\n') == []
+    inside = ROOT / "dynmoe_dist" / "models" / "hf" / "moe_import.py"
+    assert family_offences(inside, planted) == []

@@ -2,7 +2,7 @@
 
 Hand-worked cases first (logits chosen so the expected experts and weights can be read off; the router is
 the identity, so the tokens ARE the logits), then every family's rule as read from its tiny config
-(models/hf/moe_families.py) against transformers' own router module on the same random weights: same
+(models/hf/families/) against transformers' own router module on the same random weights: same
 logits, same experts, same weights and same gradients, bit for bit in float64, ties included.
 """
 
@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hf_tiny import MOE_FAMILIES, randomize, tiny_model  # noqa: E402
 
-from dynmoe_dist.models.hf.moe_families import family_of  # noqa: E402
+from dynmoe_dist.models.hf.families import family_of  # noqa: E402
 from dynmoe_dist.moe.routing import NativeRule, native  # noqa: E402
 
 

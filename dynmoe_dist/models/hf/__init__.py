@@ -4,7 +4,7 @@ OLMoE, DeepSeek-V3, gpt-oss) with their own routing or top-any and write them ba
 wrap the model for the trainer. Plain models: no parallel code. Re-exported as ``dynmoe_dist.hf``."""
 
 from .adapters import SUPPORTED, MLPSite, find_mlps
-from .moe_families import SUPPORTED_MOE, family_of
+from .families import SUPPORTED_MOE, family_of
 from .moe_import import import_moe
 from .pretrained import from_pretrained
 from .stock_layout import save_stock

@@ -1,4 +1,4 @@
-"""An imported transformers MoE (model.path a Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3 or gpt-oss directory)
+"""An imported transformers MoE (model.path a directory of a family in models/hf/families/)
 built WITHOUT its weights, and the checkpoint those weights come from.
 
 A checkpoint may be too large for one rank. So the model is built on the meta device (buffers, e.g. the
@@ -10,7 +10,7 @@ slice of the files (safetensors ``get_slice``): no rank ever loads the whole mod
 
 Keys: the model's own names are the checkpoint's, except each MoE block's router (``P.moe.router.weight``
 -> ``P.gate.weight``, Mixtral's ``block_sparse_moe``) and its experts (read by logical id through
-stock_layout.read_expert).
+the family adapter's read_expert).
 """
 
 from __future__ import annotations
@@ -26,10 +26,9 @@ from torch import Tensor
 from ...moe.config import MoEConfig
 from ...moe.layer import TopAnyRouter, dense_state_tensors
 from ...moe.routing import NativeRule
-from .moe_families import MoEFamily, family_of, sparse_block_prefixes
+from .families import MoEFamily, family_of, sparse_block_prefixes
 from .moe_import import import_moe
 from .safetensors_reader import CheckpointReader
-from .stock_layout import check_block_shapes, read_expert, read_router
 
 
 def build_on_meta(directory: Path, moe: MoEConfig) -> nn.Module:
@@ -93,13 +92,13 @@ class ImportedCheckpoint:
 
     def expert(self, layer: int, expert: int) -> Dict[str, Tensor]:
         """Logical expert ``expert`` of MoE layer ``layer`` (the i-th sparse block): parameter name -> tensor."""
-        return read_expert(self.reader, self.family, self.prefixes[layer], expert)
+        return self.family.read_expert(self.reader, self.prefixes[layer], expert)
 
     def check(self, hf_model: nn.Module) -> None:
         """Every tensor the model needs is in the files with the model's shape (headers only): a one-line
         ValueError naming the file and the key otherwise."""
         for prefix in self.prefixes:
-            check_block_shapes(self.reader, self.family, prefix)
+            self.family.check_block_shapes(self.reader, prefix)
         for name, want in dense_tensors(hf_model):
             if name in self.new_tensors:
                 continue
@@ -150,7 +149,7 @@ def native_routings(checkpoint: ImportedCheckpoint) -> List[NativeRouting]:
     rule = checkpoint.family.rule()
     routings = []
     for prefix in checkpoint.prefixes:
-        tensors = read_router(checkpoint.reader, checkpoint.family, prefix)
+        tensors = checkpoint.family.read_router(checkpoint.reader, prefix)
         routings.append(
             NativeRouting(rule, tensors["weight"], tensors.get("bias"), tensors.get("e_score_correction_bias"))
         )

@@ -1,6 +1,6 @@
-"""import_moe: a transformers MoE model (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, gpt-oss) with every sparse
-block replaced, in place, by an MoE block holding a ``moe.layer.MoELayer``: the family's own routing
-('native') or DynMoE's top-any, one expert module per logical expert, the shared experts kept as they are.
+"""import_moe: a transformers MoE model (any family of models/hf/families/) with every sparse block replaced,
+in place, by an MoE block holding a ``moe.layer.MoELayer``: the family's own routing ('native') or DynMoE's
+top-any, one expert module per logical expert, the shared experts kept as they are (the family's ``block``).
 
 Shape legend: B batch, L sequence length, D model dim, T = B * L tokens, E experts.
 
@@ -22,45 +22,10 @@ from torch import Tensor
 from ...moe.config import MoEConfig
 from ...moe.experts import ExpertBank, expert_param_specs, expert_with
 from ...moe.layer import MoELayer, NativeRouter, TopAnyRouter
-from .moe_families import DeepSeekV3, GptOss, MoEFamily, Qwen2MoE, expert_tensors, family_of
-from .upcycle import MoEBlock
+from .families import MoEFamily, family_of
 
 ThresholdHook = Callable[[str, MoELayer], Tensor]
 """(block prefix, converted top-any layer) -> thresholds (E,): where threshold calibration plugs in."""
-
-
-class SharedExpertBlock(MoEBlock):
-    """Qwen2-MoE: routed experts + sigmoid(shared_expert_gate(x)) * shared_expert(x), both modules the
-    checkpoint's own (their keys map to themselves)."""
-
-    def __init__(self, moe: MoELayer, shared_expert: nn.Module, shared_expert_gate: nn.Module):
-        super().__init__(moe)
-        self.shared_expert = shared_expert
-        self.shared_expert_gate = shared_expert_gate
-
-    def forward(self, x_BLD: Tensor) -> Tensor:
-        routed_BLD = self.run(x_BLD).output
-        return routed_BLD + torch.sigmoid(self.shared_expert_gate(x_BLD)) * self.shared_expert(x_BLD)
-
-
-class SharedExpertsBlock(MoEBlock):
-    """DeepSeek-V3: routed experts + the always-on shared experts (one MLP n_shared_experts wide)."""
-
-    def __init__(self, moe: MoELayer, shared_experts: nn.Module):
-        super().__init__(moe)
-        self.shared_experts = shared_experts
-
-    def forward(self, x_BLD: Tensor) -> Tensor:
-        return self.run(x_BLD).output + self.shared_experts(x_BLD)
-
-
-class RouterScoresBlock(MoEBlock):
-    """gpt-oss: its MLP returns (hidden, router scores) and the decoder layer drops the scores; the combine
-    weights (T, E) stand in for them."""
-
-    def forward(self, x_BLD: Tensor) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
-        out = self.run(x_BLD)
-        return out.output, out.routing.weights
 
 
 def sparse_blocks(model: nn.Module, family: MoEFamily) -> List[Tuple[str, nn.Module]]:
@@ -88,7 +53,7 @@ def converted_layer(family: MoEFamily, mlp: nn.Module, config: MoEConfig) -> MoE
     names = [name for name, _ in expert_param_specs(config)]
     experts = [
         expert_with([tensors[n].detach() for n in names], config)
-        for tensors in (expert_tensors(family, fused, e) for e in range(config.num_experts))
+        for tensors in (family.expert_tensors(fused, e) for e in range(config.num_experts))
     ]
     rule = family.rule() if config.router == "native" else None
     layer = MoELayer(config, ExpertBank(config, experts), rule=rule).to(device=like.device, dtype=like.dtype)
@@ -116,16 +81,6 @@ def _copy_router(layer: MoELayer, family: MoEFamily, mlp: nn.Module) -> None:
             router.e_score_correction_bias = source["e_score_correction_bias"].detach().clone()
 
 
-def _block(family: MoEFamily, mlp: nn.Module, layer: MoELayer) -> MoEBlock:
-    if isinstance(family, Qwen2MoE):
-        return SharedExpertBlock(layer, mlp.get_submodule("shared_expert"), mlp.get_submodule("shared_expert_gate"))
-    if isinstance(family, DeepSeekV3):
-        return SharedExpertsBlock(layer, mlp.get_submodule("shared_experts"))
-    if isinstance(family, GptOss):
-        return RouterScoresBlock(layer)
-    return MoEBlock(layer)
-
-
 def import_moe(
     hf_model: nn.Module, moe_config: Optional[MoEConfig] = None, *, thresholds: Optional[ThresholdHook] = None
 ) -> nn.Module:
@@ -144,7 +99,7 @@ def import_moe(
         layer = converted_layer(family, mlp, config)
         if thresholds is not None:
             _set_thresholds(layer, thresholds(prefix, layer), prefix)
-        decoder_layer.mlp = _block(family, mlp, layer).train(mlp.training)
+        decoder_layer.mlp = family.block(layer, mlp).train(mlp.training)
     # transformers' loss path reads router logits recorded from its own router classes, which are gone;
     # the family's loss now comes from the aux collection (the NativeRule keeps the switch and the weight,
     # and stock_layout.stock_config puts the switch back when the model is written out).

@@ -46,8 +46,8 @@ from ...moe.experts import new_expert
 from ...moe.layer import MoELayer, NativeRouter, find_moe_layers
 from . import remote
 from .export_files import MAX_SHARD_SIZE, save_weights
+from .families import family_of, is_family
 from .loading import _transformers
-from .moe_families import FAMILIES, family_of
 from .moe_import import import_moe
 from .safetensors_reader import read_all
 from .upcycle import upcycle_hf
@@ -59,18 +59,13 @@ if TYPE_CHECKING:
 # which a format-2 reader would misread (it would upcycle a Mixtral, or combine with 1/k)
 FORMAT_VERSION = 3
 READABLE_FORMATS = (1, 2, 3)
-# base model type -> (config class, model class) in models/hf/remote/, the names auto_map points to
-REMOTE_CLASSES = {
+# dense base model type -> (config class, model class) in models/hf/remote/, the names auto_map points to; an
+# imported family's are DynMoE + its stock class names, made on first use by the remote code (remote_classes)
+DENSE_REMOTE_CLASSES = {
     "llama": ("DynMoELlamaConfig", "DynMoELlamaForCausalLM"),
     "qwen2": ("DynMoEQwen2Config", "DynMoEQwen2ForCausalLM"),
     "mistral": ("DynMoEMistralConfig", "DynMoEMistralForCausalLM"),
     "gpt2": ("DynMoEGPT2Config", "DynMoEGPT2LMHeadModel"),
-    "mixtral": ("DynMoEMixtralConfig", "DynMoEMixtralForCausalLM"),
-    "qwen2_moe": ("DynMoEQwen2MoeConfig", "DynMoEQwen2MoeForCausalLM"),
-    "qwen3_moe": ("DynMoEQwen3MoeConfig", "DynMoEQwen3MoeForCausalLM"),
-    "olmoe": ("DynMoEOlmoeConfig", "DynMoEOlmoeForCausalLM"),
-    "deepseek_v3": ("DynMoEDeepseekV3Config", "DynMoEDeepseekV3ForCausalLM"),
-    "gpt_oss": ("DynMoEGptOssConfig", "DynMoEGptOssForCausalLM"),
 }
 # Keys of the base config the export does not carry: ours replace the first five; the export's weights are
 # dense float tensors, so a GGUF base's quantization_config (gguf_file, quant_method) would make
@@ -148,17 +143,12 @@ def moe_options(moe: MoEConfig) -> Dict:
 def base_model_type(model: nn.Module) -> str:
     """The HF model type of ``model``, if the export has remote-code classes for it (ValueError if not)."""
     model_type = cast("PreTrainedModel", model).config.model_type
-    if model_type not in REMOTE_CLASSES:
+    if model_type not in DENSE_REMOTE_CLASSES and not is_family(model_type):
         raise ValueError(
             f"export: base model type ({model_type!r}) has no remote-code class in models/hf/remote/ "
-            f"(supported: {', '.join(REMOTE_CLASSES)})"
+            f"(supported: {', '.join(DENSE_REMOTE_CLASSES)} and the imported MoE families)"
         )
     return model_type
-
-
-def is_imported(model_type: str) -> bool:
-    """Whether an export of this base type is an imported MoE family (else an upcycled dense base)."""
-    return model_type in FAMILIES
 
 
 def expert_spec(config: MoEConfig) -> Dict:
@@ -173,7 +163,7 @@ def moe_block_indices(model: nn.Module, blocks: Optional[Sequence[int]], num_lay
     """The blocks whose MLP is an MoE block: ``blocks`` for an upcycled model, the family's sparse layers
     for an imported one (``blocks`` may be left out, or must name those)."""
     chosen = None if blocks is None else sorted(blocks)
-    if is_imported(base_model_type(model)):
+    if is_family(base_model_type(model)):
         family = family_of(model)
         sparse = family.sparse_layers()
         if chosen is not None and chosen != sparse:
@@ -210,15 +200,19 @@ def dynmoe_section(model: nn.Module, moe: MoEConfig, blocks: Optional[Sequence[i
     named = find_moe_layers(model)
     check_exportable(named, moe)
     layers = [layer for _, layer in named]
+    model_type = base_model_type(model)
+    # what an imported family's sparse block adds around the routed experts: the remote code builds it by name
+    block = {"block": family_of(model).block_kind} if is_family(model_type) else {}
     return {
         "format": FORMAT_VERSION,
-        "base_model_type": base_model_type(model),
+        "base_model_type": model_type,
         "base_architecture": type(model).__name__,
         "moe_blocks": moe_block_indices(model, blocks, len(layers)),
         "num_experts": [m.num_experts for m in layers],
         "experts": [expert_spec(m.config) for m in layers],
         "moe": moe_options(moe),
         "thresholds": [_thresholds(m.router) for m in layers],
+        **block,
         **extra,
     }
 
@@ -246,17 +240,19 @@ def unshared(full: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return state
 
 
-def remote_modules(model_type: str) -> Tuple[str, str]:
-    """(configuration module, modeling module) in models/hf/remote/ holding the classes of a base type."""
-    suffix = "_moe" if is_imported(model_type) else ""
-    return f"configuration_dynmoe{suffix}", f"modeling_dynmoe{suffix}"
+def remote_classes(model: nn.Module) -> Tuple[str, str, str, str]:
+    """(configuration module, config class, modeling module, model class) in models/hf/remote/ for the model."""
+    model_type = base_model_type(model)
+    if is_family(model_type):
+        config_name, model_name = (f"DynMoE{type(m).__name__}" for m in (cast("PreTrainedModel", model).config, model))
+        return "configuration_dynmoe_moe", config_name, "modeling_dynmoe_moe", model_name
+    config_name, model_name = DENSE_REMOTE_CLASSES[model_type]
+    return "configuration_dynmoe", config_name, "modeling_dynmoe", model_name
 
 
 def exported_config(model: nn.Module, section: Dict):
     """The base config as our remote config class: our model type, our class in architectures, auto_map."""
-    model_type = section["base_model_type"]
-    config_module, model_module = remote_modules(model_type)
-    config_name, model_name = REMOTE_CLASSES[model_type]
+    config_module, config_name, model_module, model_name = remote_classes(model)
     config_class = getattr(importlib.import_module(f"{remote.__name__}.{config_module}"), config_name)
     base = cast("PreTrainedModel", model).config.to_dict()  # an HF model
     config = config_class(**{k: v for k, v in base.items() if k not in EXPORT_KEYS})
@@ -349,7 +345,7 @@ def from_pretrained(directory, *, eval_k0: Optional[str] = None, dtype: Optional
     dtype = dtype or saved_dtype(config, state)
     model = base_model(directory, config).to(dtype)
     options = dict(section["moe"], **({"eval_k0": eval_k0} if eval_k0 is not None else {}))
-    install = install_imported_blocks if is_imported(section["base_model_type"]) else install_moe_blocks
+    install = install_imported_blocks if is_family(section["base_model_type"]) else install_moe_blocks
     install(model, MoEConfig(**options), section["moe_blocks"], section["num_experts"])
     load_weights(model, state, str(directory))
     model.to(dtype).eval()
@@ -369,7 +365,7 @@ def keep_router_precision(model: nn.Module, state: Dict[str, torch.Tensor]) -> N
     """A family that routes in float32 (DeepSeek-V3) keeps its router rows in float32 in a bf16 / fp16 model,
     with the saved values: transformers keeps its gate.weight so, import_moe keeps the rows it copies from it,
     and the remote class keeps moe.router.weight so (its _keep_in_fp32_modules_strict)."""
-    if not is_imported(cast("PreTrainedModel", model).config.model_type):
+    if not is_family(cast("PreTrainedModel", model).config.model_type):
         return
     if family_of(model).rule().precision != "float32":
         return

@@ -26,7 +26,7 @@ from .adapters import find_mlps
 class MoEBlock(nn.Module):
     """An MoE layer in the place of an HF MLP: x_BLD -> y_BLD; the aux loss goes to the open collection.
 
-    Imported MoE families (models/hf/moe_families.py) subclass it to add their shared experts or to return
+    Imported MoE families (models/hf/families/) subclass it to add their shared experts or to return
     what their own block returned; ``run`` is the part they share."""
 
     def __init__(self, moe: MoELayer, dropout: Optional[nn.Module] = None):

@@ -1,36 +1,36 @@
 """Configuration of a transformers MoE model imported into DynMoE routing (top-any, top-k or top-p) and
 exported by dynmoe_dist (loaded with ``trust_remote_code=True``).
 
-Copied verbatim into the exported directory; imports only transformers. Each class is the family's
-config class with the ``dynmoe`` section configuration_dynmoe.py describes (format 3): base_model_type is
-the family ('mixtral', 'qwen2_moe', 'qwen3_moe', 'olmoe', 'deepseek_v3', 'gpt_oss') and moe_blocks its
-sparse layers (the dense ones stay dense). The family's expert count field keeps the checkpoint's count;
-the section's num_experts is what each MoE block holds now. A separate file from the dense bases' so that
-their exports load with a transformers that predates these families.
+Copied verbatim into the exported directory; imports only transformers. ``DynMoE<Stock>Config`` is the
+family's config class ``<Stock>Config`` (``MixtralConfig``...) with model type ``dynmoe_`` + the family's
+and the ``dynmoe`` section configuration_dynmoe.py describes (format 3): base_model_type is the family,
+moe_blocks its sparse layers (the dense ones stay dense), block what its sparse block adds around the
+routed experts. The classes are made on first use from the name config.json's auto_map asks for, so every
+family transformers knows is served without a list here. The family's expert count field keeps the
+checkpoint's count; the section's num_experts is what each MoE block holds now. A separate file from the
+dense bases' so that their exports load with a transformers that predates these families.
 """
 
-from transformers import DeepseekV3Config, GptOssConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from typing import Any, Dict
+
+import transformers
+
+PREFIX, SUFFIX = "DynMoE", "Config"
+_MADE: Dict[str, Any] = {}
 
 
-class DynMoEMixtralConfig(MixtralConfig):
-    model_type = "dynmoe_mixtral"
+def dynmoe_config_class(stock: Any) -> Any:
+    """``stock`` (a transformers config class) with a model type of our own: transformers keys its auto
+    classes by model type, and the stock type would let AutoModelForCausalLM build the stock model."""
+    name = PREFIX + stock.__name__
+    if name not in _MADE:
+        _MADE[name] = type(name, (stock,), {"model_type": f"dynmoe_{stock.model_type}", "__module__": __name__})
+    return _MADE[name]
 
 
-class DynMoEQwen2MoeConfig(Qwen2MoeConfig):
-    model_type = "dynmoe_qwen2_moe"
-
-
-class DynMoEQwen3MoeConfig(Qwen3MoeConfig):
-    model_type = "dynmoe_qwen3_moe"
-
-
-class DynMoEOlmoeConfig(OlmoeConfig):
-    model_type = "dynmoe_olmoe"
-
-
-class DynMoEDeepseekV3Config(DeepseekV3Config):
-    model_type = "dynmoe_deepseek_v3"
-
-
-class DynMoEGptOssConfig(GptOssConfig):
-    model_type = "dynmoe_gpt_oss"
+def __getattr__(name: str) -> Any:
+    """``DynMoE<Stock>Config`` for any transformers config class ``<Stock>Config`` (PEP 562)."""
+    stock = getattr(transformers, name[len(PREFIX) :], None) if name.startswith(PREFIX) else None
+    if stock is None or not name.endswith(SUFFIX):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return dynmoe_config_class(stock)

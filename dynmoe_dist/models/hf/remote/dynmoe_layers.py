@@ -12,9 +12,9 @@ computing what dynmoe_dist's training code computes (moe/routing.py, moe/experts
   experts   'gated' ((act(x W_gate) * x W_in) W_out), 'ffn' (act(x W_in + b_in) W_out + b_out) or
             'gpt_oss' (gpt-oss's clamped SwiGLU with biases), nn.Linear's (out, in) weight layout
   combine   out_t = sum over selected e of weight_te * expert_e(x_t)
-  blocks    the MoE layer as ``.moe`` in the place of the MLP, with what the base's block adds: GPT-2's
-            output dropout, Qwen2-MoE's gated shared expert, DeepSeek-V3's shared experts, gpt-oss's
-            (hidden, router scores) pair
+  blocks    the MoE layer as ``.moe`` in the place of the MLP, with what the base's block adds (BLOCKS):
+            GPT-2's output dropout, a gated shared expert (Qwen2-MoE), always-on shared experts
+            (DeepSeek-V3), the (hidden, router scores) pair (gpt-oss)
 
 State-dict keys: ``<block>.mlp.moe.router.weight`` (E, D), ``<block>.mlp.moe.router.threshold`` (E,
 top-any only), ``<block>.mlp.moe.experts.experts.<e>.w_in`` ...; shared experts keep the stock keys.
@@ -233,7 +233,7 @@ class DynMoEBlock(nn.Module):
 
 
 class SharedExpertBlock(DynMoEBlock):
-    """Qwen2-MoE: routed experts + sigmoid(shared_expert_gate(x)) * shared_expert(x), the stock modules."""
+    """Routed experts + sigmoid(shared_expert_gate(x)) * shared_expert(x), the stock modules."""
 
     def __init__(self, moe: DynMoELayer, shared_expert: nn.Module, shared_expert_gate: nn.Module):
         super().__init__(moe)
@@ -245,7 +245,7 @@ class SharedExpertBlock(DynMoEBlock):
 
 
 class SharedExpertsBlock(DynMoEBlock):
-    """DeepSeek-V3: routed experts + the always-on shared experts (the stock MLP, n_shared_experts wide)."""
+    """Routed experts + the always-on shared experts (the stock MLP, n_shared_experts wide)."""
 
     def __init__(self, moe: DynMoELayer, shared_experts: nn.Module):
         super().__init__(moe)
@@ -256,11 +256,21 @@ class SharedExpertsBlock(DynMoEBlock):
 
 
 class RouterScoresBlock(DynMoEBlock):
-    """gpt-oss: its decoder layer unpacks (hidden, router scores) from the MLP and drops the scores; the
-    combine weights (T, E) stand in for them."""
+    """Its decoder layer unpacks (hidden, router scores) from the MLP and drops the scores; the combine
+    weights (T, E) stand in for them."""
 
     def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         return self.moe.run(x)
+
+
+# The section's ``block`` (an imported family's: dynmoe_dist's models/hf/families/blocks.py, same names) ->
+# (MoE layer, the stock sparse block it replaces) -> the module in its place
+BLOCKS: Dict[str, Callable[[DynMoELayer, Any], nn.Module]] = {
+    "routed": lambda layer, mlp: DynMoEBlock(layer),
+    "shared_expert": lambda layer, mlp: SharedExpertBlock(layer, mlp.shared_expert, mlp.shared_expert_gate),
+    "shared_experts": lambda layer, mlp: SharedExpertsBlock(layer, mlp.shared_experts),
+    "router_scores": lambda layer, mlp: RouterScoresBlock(layer),
+}
 
 
 def check_section(section: Any, num_blocks: int) -> Dict[str, Any]:
