@@ -116,6 +116,8 @@ def top_p(logits_TE: Tensor, p: float) -> Tuple[Tensor, Tensor]:
 class DynMoERouter(nn.Module):
     """Gate vectors (E, D) and, for top-any, per-expert thresholds (E,). Values come from the checkpoint."""
 
+    choice_bias: Optional[Tensor]  # a buffer (None unless a top-k run balanced by 'bias')
+
     def __init__(self, num_experts: int, dim: int, options: Dict[str, Any]):
         super().__init__()
         self.options = options
