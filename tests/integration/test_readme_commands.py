@@ -18,6 +18,7 @@ its top; launcher scripts find .venv on their own.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -134,6 +135,7 @@ RULES: List[Rule] = [
     (r"^python -m dynmoe_dist\.experiments drift --compare ", SKIP, "it reads an experiments compare run", as_is),
     (r"^python -m dynmoe_dist\.experiments drift ", SLOW, None, as_is),
     (r"^python -m dynmoe_dist\.experiments pretrain-moe ", SLOW, None, lambda t: t.split("  #")[0] + " --tiny"),
+    (r"^python -m dynmoe_dist\.tasks\.assets sentiment-chat ", FAST, None, as_is),
 ]
 
 
@@ -283,6 +285,23 @@ def test_the_own_model_blocks_run_as_pasted(sandbox):
     done = fresh_shell(f"set -e\n{ACTIVATE}\n{export.group(1)}\n", sandbox, timeout_s=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (sandbox / "runs" / "latest" / "export" / "config.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_chat_block_runs_as_pasted(sandbox):
+    """README's instruction-data block (the tiny pre-trained MoE, the sentiment questions, 2 ranks under
+    torchrun.sh): the start says how the conversations were packed, the end gives the held-out perplexity
+    and the export line. About 3 minutes on 2 cores, most of it pre-training the tiny MoE."""
+    block = next(block for _, block in all_blocks() if any("chat_moe.toml" in c.text for c in block))
+    done = fresh_shell(block_script(block), sandbox, timeout_s=800)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert re.search(r"\d+ conversations packed into \d+ sequences of 256", output), output[-4000:]
+    assert "held-out perplexity" in output and "export it:  python -m dynmoe_dist.export runs/chat_moe/" in output
+    lines = (sandbox / "runs" / "sentiment_chat.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])["messages"]
+    assert [m["role"] for m in first] == ["user", "assistant"] and first[1]["content"] in ("positive", "negative")
 
 
 @pytest.mark.slow

@@ -196,3 +196,14 @@ def test_packed_sequences_hold_every_conversation_once_with_restarting_positions
         loss_tokens += int(marked[1:].sum())
     assert seen == want
     assert int(packed.targets_S.sum()) == loss_tokens == int((targets != IGNORE).sum())
+
+
+def test_the_sentiment_instruction_set_asks_about_every_snippet(tmp_path):
+    from dynmoe_dist.tasks.assets import SENTIMENT_QUESTION, write_sentiment_chat
+    from dynmoe_dist.tasks.text import load_rotten_tomatoes
+
+    texts, labels = load_rotten_tomatoes()
+    assert write_sentiment_chat(tmp_path / "rt.jsonl") == len(texts)
+    records = [json.loads(line)["messages"] for line in (tmp_path / "rt.jsonl").read_text().splitlines()]
+    assert [r[0]["content"] for r in records] == [f"{SENTIMENT_QUESTION}\n{t}" for t in texts]
+    assert [r[1]["content"] for r in records] == [["negative", "positive"][label] for label in labels]
