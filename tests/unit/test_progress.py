@@ -60,15 +60,15 @@ def test_evaluation_shows_a_bar_over_the_held_out_batches(capsys, every_redraw):
 
 def test_calibration_shows_a_bar_over_the_layers_then_over_the_scoring(tmp_path, capsys, every_redraw):
     from dynmoe_dist.config import load_config
-    from dynmoe_dist.train.calibrate import calibrate_converted
     from dynmoe_dist.train.loop import Trainer
+    from dynmoe_dist.train.run import calibrate_at_start
 
     directory, _ = save_moe_checkpoint("olmoe", tmp_path / "olmoe")
     (tmp_path / "c.txt").write_text("\n".join(corpus_lines(60, 2)) + "\n")
     settings = [f"task.path='{tmp_path / 'c.txt'}'", f"model.path='{directory}'", "moe.calibrate_samples=20"]
     settings += ["task.name='causal-lm'", "task.max_len=8", "model.source='hf'", "moe.router='top_any'"]
     trainer = Trainer(load_config(None, settings))
-    assert calibrate_converted(trainer)["kind"] == "calibration"
+    assert calibrate_at_start(trainer)["kind"] == "calibration"
     err = capsys.readouterr().err
     num_layers = len(trainer.moe_layers)
     assert counts_shown(err, "calibrating top-any thresholds", num_layers) == list(range(1, num_layers + 1))
