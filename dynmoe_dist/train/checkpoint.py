@@ -133,7 +133,10 @@ class CheckpointManager:
         """Every check that needs no communication first (format, architecture, parts), then the parts in
         LOAD_ORDER."""
         meta = read_meta(path)
-        check_architecture(json.loads(meta["config"]), self.config, path)
+        # A checkpoint that names its base by content hash resumes from the base wherever it now lives: the
+        # "model" part compares the hashes, so model.path itself may differ
+        by_content = ("path",) if (meta["states"].get("model") or {}).get("base") else ()
+        check_architecture(json.loads(meta["config"]), self.config, path, by_content)
         missing = [name for name in self.states if name not in meta["states"] and name not in OPTIONAL_PARTS]
         if missing:
             raise CheckpointError(f"checkpoint {path} holds no {', '.join(missing)} state (meta.pt parts)")
@@ -221,13 +224,16 @@ def read_checkpoint_experts(checkpoint: Path) -> Dict[str, Dict]:
     return experts
 
 
-def check_architecture(saved: Dict, config: RunConfig, path: Path) -> None:
-    """The sections that decide the model's shape must match the run's (the task's data-defining keys)."""
+def check_architecture(saved: Dict, config: RunConfig, path: Path, model_by_content: Tuple[str, ...] = ()) -> None:
+    """The sections that decide the model's shape must match the run's (the task's data-defining keys; of
+    [model], not the keys in ``model_by_content``, which a content hash checks instead)."""
     current = json.loads(config_json(config))
     for section in ARCHITECTURE_SECTIONS:
         differing = [k for k in current[section] if current[section][k] != saved.get(section, {}).get(k)]
         if section == "task":
             differing = [k for k in differing if k in TASK_ARCHITECTURE_KEYS]
+        if section == "model":
+            differing = [k for k in differing if k not in model_by_content]
         if differing:
             raise CheckpointError(
                 f"checkpoint {path} was written for a different [{section}]: "

@@ -10,7 +10,8 @@ A resumed run does read model.path again (it builds the model from it before the
 replace its parameters; buffers such as rotary frequencies come from its config). So the entry names the
 base the run was trained from by path and content hash (xxh3-128 over its config and weight files,
 ``data.fingerprint.content_digest``), and a resume from a base whose content differs fails in one line
-naming both hashes and the path. The entry also holds the hash of ``model/`` itself, which the export
+naming both hashes and the path; one whose content is the same resumes wherever model.path now points (the
+architecture check leaves model.path to the hash). The entry also holds the hash of ``model/`` itself, which the export
 checks before it builds from it.
 """
 

@@ -125,6 +125,18 @@ def test_a_resume_from_a_changed_base_names_both_hashes(imported):
     assert message.startswith(f"checkpoint {checkpoint} was trained from a base with content {saved}")
 
 
+def test_a_moved_base_resumes_by_its_content(imported, tmp_path):
+    """model.path may change between the run and its resume: the content hash, not the path, says it is the
+    base the checkpoint was trained from."""
+    from dynmoe_dist.train.run import start
+
+    root, model_dir, checkpoint = imported
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(model_dir, moved)
+    resumed = settings(moved, root / "c.txt", tmp_path / "run", f"output.resume='{checkpoint}'", "train.max_steps=4")
+    assert start(load_config(None, resumed)).trainer.step == 3  # resumed at the checkpoint's step
+
+
 def test_the_export_checks_the_saved_definition(upcycled, tmp_path, capsys):
     _, _, checkpoint = upcycled
     copy = tmp_path / checkpoint.name
