@@ -5,7 +5,8 @@ Compares, at one shape (T = 4096, D = 256, F = 512, E = 8 by default):
   top_any vs one dense FeedForward on T x mean_k rows (the physical limit of the expert matmuls),
   top_any vs the DynMoE authors' dense T x E x C dispatch (time and peak memory),
   the per-expert loop vs torch._grouped_mm for the expert matmuls,
-then tabulates how top_any, the dense limit and the dense dispatch grow with T.
+then tabulates how top_any, the dense limit and the dense dispatch grow with T, and splits top_any's and
+top_k's steps into router, losses, dispatch and experts at several sizes (layer_split.py).
 
 Prints one JSON object with the figures, the method, the issue's targets and whether each is met.
 Timing is never asserted: this is a benchmark, not a test. The cases live in layer_cases.py.
@@ -24,6 +25,7 @@ import torch
 from dynmoe_dist.bench import measure
 from dynmoe_dist.bench.dense_dispatch import dense_dispatch_bytes
 from dynmoe_dist.bench.layer_cases import CaseSpec, build_case, check_reference, peak_memory_mb
+from dynmoe_dist.bench.layer_split import DEFAULT_SIZES, parse_sizes, run_split
 
 HEADLINE_CASES = ("top_any", "top_k", "dense_limit", "dense_dispatch", "top_any_grouped_mm", "top_k_grouped_mm")
 MEMORY_CASES = ("top_any", "top_k", "dense_limit", "dense_dispatch")
@@ -33,6 +35,7 @@ TARGETS = {
     "layer_vs_dense_limit": ("top_any / dense_limit time", "<=", 1.2),
     "speedup_vs_dense_dispatch": ("dense_dispatch / top_any time", ">=", 8.0),
     "memory_vs_dense_dispatch": ("dense_dispatch / top_any peak memory above baseline", ">=", 8.0),
+    "top_any_vs_top_k_every_size": ("the largest top_any / top_k whole-step time of the split's sizes", "<=", 1.02),
 }
 # The dense dispatch may use at most this share of the memory available when it starts.
 DISPATCH_MEMORY_SHARE = 0.5
@@ -64,11 +67,18 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
         default=8192,
         help="largest T at which the dense dispatch runs (it grows with T squared)",
     )
+    parser.add_argument(
+        "--split-sizes",
+        default=DEFAULT_SIZES,
+        help="comma-separated TxDxFxE sizes at which top_any and top_k are split into phases ('' skips it)",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the per-case memory processes")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.k > args.experts or args.k < 1:
-        raise ValueError(f"--k ({args.k}) must be in [1, --experts ({args.experts})]")
+    args.split_sizes = parse_sizes(args.split_sizes)
+    for _, _, _, experts in [(0, 0, 0, args.experts), *args.split_sizes]:
+        if args.k > experts or args.k < 1:
+            raise ValueError(f"--k ({args.k}) must be in [1, the experts ({experts})] of every size")
     return args
 
 
@@ -112,9 +122,10 @@ def _build_steps(args: argparse.Namespace, names, tokens: int, skip_dispatch: bo
     return {name: steps[name] for name in names if name in steps}, cases
 
 
-def evaluate_targets(cases: Dict[str, dict]) -> Dict[str, dict]:
+def evaluate_targets(cases: Dict[str, dict], split: Optional[dict] = None) -> Dict[str, dict]:
     """Every ratio from the minimum times (the least disturbed by other load); medians shown too."""
     ratios = {
+        "top_any_vs_top_k_every_size": None if split is None else split["worst_whole_ratio"],
         "top_any_vs_top_k": _ratio(cases, "top_any", "top_k", "ms_min"),
         "layer_vs_dense_limit": _ratio(cases, "top_any", "dense_limit", "ms_min"),
         "speedup_vs_dense_dispatch": _ratio(cases, "dense_dispatch", "top_any", "ms_min"),
@@ -244,7 +255,12 @@ def main(argv: Optional[List[str]] = None) -> dict:
     cases = run_headline(args)
     result["cases"] = cases
     result["expert_compute"] = expert_compute_comparison(cases)
-    result["targets"] = evaluate_targets(cases)
+    split = None
+    if args.split_sizes:
+        split = result["split"] = run_split(
+            base_spec(args, "top_any", args.tokens), args.split_sizes, args.repeats, args.warmup
+        )
+    result["targets"] = evaluate_targets(cases, split)
     token_counts = [int(t) for t in args.scaling.split(",") if t.strip()]
     if token_counts:
         result["scaling"] = run_scaling(args, token_counts)

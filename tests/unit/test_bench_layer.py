@@ -16,6 +16,7 @@ from dynmoe_dist.bench.layer_cases import (
     make_tokens,
     peak_memory_mb,
 )
+from dynmoe_dist.bench.layer_split import PHASES, parse_sizes, phase_steps
 from dynmoe_dist.moe.routing import Routing
 
 TINY = dict(dim=16, ffn_dim=32, num_experts=4, k=2)
@@ -108,6 +109,8 @@ def test_json_has_figures_targets_and_scaling(capsys):
         "--scaling-repeats",
         "1",
         "--no-memory",
+        "--split-sizes",
+        "32x16x32x4,48x8x16x6",
     ]
     result = layer.main(args)
     assert json.loads(capsys.readouterr().out) == result
@@ -121,6 +124,14 @@ def test_json_has_figures_targets_and_scaling(capsys):
     assert set(result["expert_compute"]) == {"top_any", "top_k"}
     assert [row["tokens"] for row in result["scaling"]["rows"]] == [32, 64]
     assert set(result["scaling"]["growth_exponent_last_doubling"]) == set(layer.SCALING_CASES)
+    rows = result["split"]["rows"]
+    assert [row["shape"]["tokens"] for row in rows] == [32, 48] and rows[1]["shape"]["num_experts"] == 6
+    for row in rows:
+        for router in ("top_any", "top_k"):
+            assert all(row[router][phase] > 0 for phase in PHASES), row
+        assert row["mean_k"]["top_k"] == 2 and row["mean_k"]["top_any"] == pytest.approx(2, abs=1 / 32)
+    assert result["split"]["worst_whole_ratio"] == max(row["top_any_over_top_k"]["whole"] for row in rows)
+    assert isinstance(result["targets"]["top_any_vs_top_k_every_size"]["met"], bool)
 
 
 def test_dispatch_cap_skips_large_tokens(capsys):
@@ -144,6 +155,8 @@ def test_dispatch_cap_skips_large_tokens(capsys):
         "--no-memory",
         "--dispatch-max-tokens",
         "32",
+        "--split-sizes",
+        "",
     ]
     rows = layer.main(args)["scaling"]["rows"]
     assert "ms_min" in rows[0]["dense_dispatch"]
@@ -156,3 +169,35 @@ def test_peak_memory_in_fresh_process_sees_the_step():
     # twice (pre- and post-GELU), and their gradients as much again; about 57 MiB in all.
     peak = peak_memory_mb(CaseSpec(case="dense_limit", tokens=4096, dim=256, ffn_dim=512), num_rows=8192)
     assert 32 < peak < 160
+
+
+@pytest.mark.parametrize("router", ["top_any", "top_k"])
+def test_each_phase_trains_what_it_names(router):
+    """router: the gate's parameters and the tokens; losses: the gate vectors (top-any's diverse and simple
+    losses) or the router's weights through the probabilities (Switch); dispatch: the tokens; experts: the
+    expert weights. Each phase alone fills exactly those gradients."""
+    spec = CaseSpec(case=router, tokens=40, **TINY)
+    layer_module = build_layer(spec, router)
+    x, grad = make_tokens(spec)
+    steps = phase_steps(layer_module, x, grad)
+    assert tuple(steps) == PHASES
+    expert_params = list(layer_module.experts.parameters())
+    for phase, filled_x, filled_router, filled_experts in (
+        ("router", True, True, False),
+        ("losses", False, router == "top_any", False),
+        ("dispatch", True, False, False),
+        ("experts", False, False, True),
+        ("whole", True, True, True),
+    ):
+        for p in [x, layer_module.router.weight, *expert_params]:
+            p.grad = None
+        steps[phase]()
+        assert (x.grad is not None) == filled_x, phase
+        assert (layer_module.router.weight.grad is not None) == filled_router, phase
+        assert all((p.grad is not None) == filled_experts for p in expert_params), phase
+
+
+def test_split_sizes_are_four_positive_integers():
+    assert parse_sizes("4096x256x512x8, 8x4x4x2") == [(4096, 256, 512, 8), (8, 4, 4, 2)] and parse_sizes("") == []
+    with pytest.raises(ValueError, match=r"--split-sizes entry \('4096x256x512'\) must be TxDxFxE"):
+        parse_sizes("4096x256x512")

@@ -239,3 +239,34 @@ def test_top_any_softmax_combine_renormalises_the_router_logits_over_the_chosen(
     gate = gate_ED.clone().requires_grad_(True)
     top_any(x_TD, gate, threshold_E, training=True, combine="softmax").weights[0, 0].backward()
     assert gate.grad[0].abs().sum() > 0 and gate.grad[2].abs().sum() > 0
+
+
+def test_the_cosines_written_out_backward_equals_autograds():
+    """cosine_scores' hand-written backward (routing._TokenCosine) against autograd through the plain
+    expression, float64, on tokens of every size (one of norm 0: its norm is clamped, a constant)."""
+    from dynmoe_dist.moe.routing import COSINE_EPS, cosine_scores
+
+    generator = torch.Generator().manual_seed(0)
+    x_TD = torch.randn(7, 5, generator=generator, dtype=torch.float64) * torch.tensor(
+        [[3.0], [0.1], [1], [1], [1], [1], [0]]
+    )
+    gate_ED = torch.randn(4, 5, generator=generator, dtype=torch.float64)
+    grad_TE = torch.randn(7, 4, generator=generator, dtype=torch.float64)
+
+    def plain(x, gate):
+        unit = torch.nn.functional.normalize(gate, dim=-1, eps=COSINE_EPS)
+        return (x @ unit.t()) / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(COSINE_EPS)
+
+    results = []
+    for scores in (cosine_scores, plain):
+        x, gate = x_TD.clone().requires_grad_(True), gate_ED.clone().requires_grad_(True)
+        out = scores(x, gate)
+        out.backward(grad_TE)
+        results.append((out.detach(), x.grad, gate.grad))
+    (mine, x_grad, gate_grad), (want, x_want, gate_want) = results
+    assert torch.equal(mine, want)  # the same forward expression: the same bits
+    torch.testing.assert_close(x_grad, x_want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gate_grad, gate_want, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(
+        cosine_scores, (x_TD[:6].clone().requires_grad_(True), gate_ED.clone().requires_grad_(True))
+    )

@@ -124,6 +124,7 @@ class DynMoERouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_experts, dim))
         self.threshold = nn.Parameter(torch.zeros(num_experts)) if options["router"] == "top_any" else None
         biased = options["router"] == "top_k" and options.get("balance", "off") == "bias"
+        self.choice_bias: Optional[Tensor]
         self.register_buffer("choice_bias", torch.zeros(num_experts) if biased else None)
 
     def forward(self, x_TD: Tensor) -> Tuple[Tensor, Tensor]:
