@@ -207,3 +207,48 @@ def test_the_sentiment_instruction_set_asks_about_every_snippet(tmp_path):
     records = [json.loads(line)["messages"] for line in (tmp_path / "rt.jsonl").read_text().splitlines()]
     assert [r[0]["content"] for r in records] == [f"{SENTIMENT_QUESTION}\n{t}" for t in texts]
     assert [r[1]["content"] for r in records] == [["negative", "positive"][label] for label in labels]
+
+
+def run_file(tmp_path, tokenizer_dir, corpus, *extra):
+    path = tmp_path / "run.toml"
+    lines = ["[task]", "name = 'chat'", f"path = '{corpus}'", "max_len = 24", f"cache_dir = '{tmp_path / 'cache'}'"]
+    lines += [*extra, "[model]", "source = 'hf'", f"path = '{tokenizer_dir}'"]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_prepare_then_the_run_reuses_it_and_says_what_it_dropped(tmp_path, tokenizer_dir, capsys):
+    from dynmoe_dist.config import load_config
+    from dynmoe_dist.data.__main__ import main
+    from dynmoe_dist.tasks import build_task
+
+    records = [{"messages": CONVERSATIONS[i % 2]} for i in range(9)]
+    records.insert(5, {"messages": CONVERSATIONS[1] * 3})
+    run = run_file(tmp_path, tokenizer_dir, write_jsonl(tmp_path / "chat.jsonl", records))
+    assert main(["prepare", "--config", run]) == 0
+    prepared = json.loads(capsys.readouterr().out)
+    assert not prepared["reused"] and prepared["num_docs"] == 10
+    task = build_task(load_config(run).task)
+    err = capsys.readouterr().err
+    assert f"reusing the token cache of task.path ('{tmp_path / 'chat.jsonl'}'): {prepared['entry']}" in err
+    dropped = "dropped 1 of {} conversations longer than task.max_len + 1 (25) tokens (the first: {}:6)"
+    split_sizes = (8, 2)  # 10 conversations, 20 % held out: the long one is in either split
+    assert any(dropped.format(n, tmp_path / "chat.jsonl") in err for n in split_sizes), err
+    assert sum(p.num_examples for p in task.packed.values()) == 9
+
+
+@pytest.mark.parametrize(
+    "extra, overrides, says",
+    [
+        ([], ["model.source='builtin'"], "task 'chat' needs model.source = 'hf'"),
+        (["chat_template = 'template.txt'"], [], "task.chat_template ('template.txt') must be a .jinja file"),
+        (["chat_template = 'none.jinja'"], [], "task.chat_template ('none.jinja' = "),
+    ],
+)
+def test_run_file_mistakes_are_one_line(tmp_path, tokenizer_dir, extra, overrides, says):
+    from dynmoe_dist.config import load_config
+
+    run = run_file(tmp_path, tokenizer_dir, write_jsonl(tmp_path / "chat.jsonl", [GOOD, GOOD]), *extra)
+    with pytest.raises(ValueError) as err:
+        load_config(run, overrides)
+    assert says in str(err.value) and "\n" not in str(err.value)
