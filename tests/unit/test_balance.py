@@ -154,3 +154,42 @@ def test_the_bias_rule_lowers_the_load_spread_without_an_aux_loss():
     assert _mean_cv(balanced[30:]) < 0.6 * _mean_cv(budget[30:]), (_mean_cv(balanced[30:]), _mean_cv(budget[30:]))
     k_last = [sum(r["mean_k"]) / 2 for r in balanced[30:]]
     assert abs(sum(k_last) / len(k_last) - 2.0) < 0.06
+
+
+def test_an_imported_deepseek_v3_runs_its_own_balance_rule_only_when_asked(tmp_path):
+    """A tiny DeepSeek-V3 trained with its own routing: by default its e_score_correction_bias stays the
+    checkpoint's (transformers' forward never moves it); with moe.balance = 'bias' each step moves it by
+    +-balance_rate per expert, re-centred, against the loads summed over the step."""
+    from hf_tiny import corpus_lines, save_moe_checkpoint
+
+    from dynmoe_dist.config import load_config
+    from dynmoe_dist.train.loop import Trainer
+
+    directory, _ = save_moe_checkpoint("deepseek_v3", tmp_path / "ds")
+    (tmp_path / "c.txt").write_text("\n".join(corpus_lines(40, 2)) + "\n")
+    settings = [
+        "task.name='causal-lm'",
+        f"task.path='{tmp_path / 'c.txt'}'",
+        "task.max_len=8",
+        "model.source='hf'",
+        f"model.path='{directory}'",
+        "train.precision='float64'",
+        "train.global_batch_size=4",
+    ]
+
+    def biases_after_two_steps(*extra):
+        trainer = Trainer(load_config(None, settings + list(extra)))
+        before = [layer.router.e_score_correction_bias.clone() for layer in trainer.moe_layers]
+        records = [trainer.train_step() for _ in range(2)]
+        after = [layer.router.e_score_correction_bias for layer in trainer.moe_layers]
+        return before, after, records
+
+    before, after, _ = biases_after_two_steps()
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    before, after, records = biases_after_two_steps("moe.balance='bias'", "moe.balance_rate=0.01")
+    for b, a in zip(before, after):
+        moved = a - b
+        assert moved.abs().max() > 0 and moved.sum().abs() < 1e-9  # moved, its mean kept
+        # two steps of +-rate, each re-centred: 4 experts up and 2 down move +r/3... -4r/3, at most 2r a step
+        assert moved.abs().max() <= 2 * 2 * 0.01 + 1e-9
+    assert len(records[-1]["bias_spread"]) == len(after)
