@@ -169,3 +169,18 @@ def test_help_says_remote_code_only_for_a_converted_run(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "unless the run kept the model's own routing, moe.router = 'native', the remote code" in text
     assert "--overwrite" in text and "--max-shard-size" in text
+
+
+def test_a_broken_export_is_one_line_naming_the_file(checkpoints, tmp_path, capsys):
+    from dynmoe_dist.hf import from_pretrained
+
+    found, _ = checkpoints
+    out = tmp_path / "shards"
+    assert export(capsys, found["top_any"], "--out", out, "--max-shard-size", "20KB")[0] == 0
+    shard = sorted(out.glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(ValueError, match=f"{shard}: not a readable safetensors file"):
+        from_pretrained(out)
+    (out / "config.json").write_text("{")
+    with pytest.raises(ValueError, match=f"from_pretrained: {out / 'config.json'} is not a readable JSON file"):
+        from_pretrained(out)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, Union, cast
@@ -47,7 +46,7 @@ from ...moe.layer import MoELayer, NativeRouter, find_moe_layers
 from . import remote
 from .export_files import MAX_SHARD_SIZE, save_weights
 from .families import family_of, is_family
-from .loading import _transformers
+from .loading import _transformers, read_config_json
 from .moe_import import import_moe
 from .safetensors_reader import read_all
 from .upcycle import upcycle_hf
@@ -303,7 +302,7 @@ def read_config(directory: Path) -> Dict:
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise ValueError(f"from_pretrained: {str(directory)!r} has no config.json")
-    config = json.loads(config_file.read_text())
+    config = read_config_json(directory, "from_pretrained")
     section = config.get("dynmoe")
     if not isinstance(section, dict) or section.get("format") not in READABLE_FORMATS:
         formats = " or ".join(map(str, READABLE_FORMATS))
