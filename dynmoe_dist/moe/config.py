@@ -203,7 +203,8 @@ class MoEConfig:
     """Top-any compute budget: the mean experts per token (all tokens of all ranks) that a controller holds
     each layer at, by moving every threshold of the layer together after each step, out of the gradient
     (moe/balance.py). 0 = no budget (k follows the thresholds' training). A converted model's calibration
-    starts at it."""
+    starts at it. It counts training tokens: at evaluation a token that chose none takes the top-1 fallback
+    unless eval_k0 = 'skip'."""
     balance: str = "off"
     """Load balance without an aux loss: 'off', or 'bias' (DeepSeek-V3's rule: after each step every expert's
     choice bias moves by balance_rate against its load, re-centred so the biases' mean stays; a choice-only
@@ -280,6 +281,10 @@ class MoEConfig:
         _require(
             0.0 <= self.target_k <= self.num_experts,
             f"target_k ({self.target_k}) must be in (0, num_experts ({self.num_experts})], or 0 for no budget",
+        )
+        _require(
+            not (0 < self.target_k < 1 and self.train_k0 == "top1"),
+            f"target_k ({self.target_k}) < 1 cannot be met with train_k0 ('top1'): every token runs an expert",
         )
         _require(self.balance in BALANCE_RULES, f"balance ({self.balance!r}) must be one of {BALANCE_RULES}")
         _require(self.balance_rate > 0, f"balance_rate ({self.balance_rate}) must be > 0")

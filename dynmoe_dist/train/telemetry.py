@@ -39,6 +39,8 @@ PER_LAYER_LISTS = (
     "expert_utilization",
     "load_cv",
     "k_histogram",
+    "threshold_shift",  # moe.target_k's move of the step (moe/balance.py)
+    "bias_spread",  # moe.balance = 'bias': max - min of the choice bias
 )
 
 

@@ -65,6 +65,12 @@ CASES = [
     ),
     ("unknown-balance", _set("moe.balance=aux"), None, ["moe.balance ('aux')", "bias"]),
     (
+        "budget-below-the-fallback",
+        _set("moe.target_k=0.5", "moe.train_k0=top1"),
+        None,
+        ["moe.target_k (0.5) < 1", "train_k0 ('top1')"],
+    ),
+    (
         "budget-against-calibration",
         _set("moe.target_k=1.5", "moe.calibrate_k=2"),
         None,
