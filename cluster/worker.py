@@ -62,18 +62,13 @@ def train_worker(loop_config: Dict) -> None:
     # A restarted worker group continues from the newest complete checkpoint of this run (none at first).
     config.output.resume = config.output.resume or "auto"
     try:
-        final = run(config, coordinator_factory=coordinator_factory(loop_config["run_name"], config.parallel.timeout_s))
+        run(config, coordinator_factory=coordinator_factory(loop_config["run_name"], config.parallel.timeout_s))
     except ValueError as err:
         if os.environ.get("DYNMOE_TRACEBACK"):
             raise
         # A user mistake (a corpus without its text column, a corrupt checkpoint) would only recur if Ray
         # Train restarted the group: end this worker normally and leave the one line to the driver.
         record_worker_error(config.output.out_dir, context.get_world_rank(), err)
-        return
-    if final["rank0"]:  # the job's log ends with the final scores, as dynmoe-train's does (telemetry leaves them)
-        from dynmoe_dist.train.cli import summary
-
-        print(summary(final, config.output.out_dir), flush=True)
 
 
 def error_file(out_dir: str, rank: int) -> Path:
