@@ -33,6 +33,7 @@ from dynmoe_dist.config import RunConfig, check_world, load_config
 from dynmoe_dist.train.cli import USAGE_ERROR, one_line, summary
 from dynmoe_dist.train.finish import finished_files
 from dynmoe_dist.train.startup import prepare_run
+from dynmoe_dist.train.telemetry import METRICS_FILE, read_metrics
 
 SUMMARY_FILE = "ray_summary.json"
 RUNTIME_ENV = "cluster/runtime_env.yaml"  # relative to the working dir, as launcher/ray_submit.sh submits it
@@ -163,8 +164,8 @@ def actor_restarts(name: str) -> Optional[int]:
 
 
 def read_records(out_dir: Path) -> List[Dict]:
-    path = out_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    path = out_dir / METRICS_FILE
+    return read_metrics(path) if path.exists() else []
 
 
 def final_record(out_dir: Path, records: List[Dict]) -> Dict:

@@ -10,4 +10,5 @@ NPROC=${1:?usage: launcher/torchrun.sh NPROC [dynmoe-train options]}
 shift
 export MASTER_ADDR=127.0.0.1
 . "$(dirname "$0")/python.sh"
+export DYNMOE_LAUNCH_COMMAND="${DYNMOE_LAUNCH_COMMAND:-$0}"  # the resume line after a stop names it
 exec "$PYTHON" -m dynmoe_dist.train.launch "$NPROC" "$@"

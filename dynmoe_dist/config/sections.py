@@ -306,10 +306,13 @@ class OutputConfig:
     """Write TensorBoard event files (needs the 'report' extra)."""
     report: bool = True
     """Draw report.png at the end (needs the 'report' extra)."""
-    checkpoint_every: int = 0
-    """Write a checkpoint every N optimizer steps (0 = only at the end)."""
+    checkpoint_every: int = 500
+    """Write a checkpoint every N optimizer steps (0 = not by steps)."""
+    checkpoint_minutes: float = 30.0
+    """Also write one when this many minutes have passed since the last (0 = not by time; rank 0's clock
+    decides for every rank)."""
     final_checkpoint: bool = True
-    """Write a checkpoint when the run ends."""
+    """Write a checkpoint when the run ends, or stops on SIGINT / SIGTERM (Ctrl-C, a preempted job)."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept on disk (older ones are deleted after a new one is complete)."""
     resume: str = ""
@@ -317,6 +320,7 @@ class OutputConfig:
 
     def __post_init__(self):
         _require(self.checkpoint_every >= 0, f"output.checkpoint_every ({self.checkpoint_every}) must be >= 0")
+        _require(self.checkpoint_minutes >= 0, f"output.checkpoint_minutes ({self.checkpoint_minutes}) must be >= 0")
         _require(self.keep_checkpoints >= 1, f"output.keep_checkpoints ({self.keep_checkpoints}) must be >= 1")
 
 

@@ -5,13 +5,21 @@
 ERROR / WARNING level. The launcher (train/launch.py) prints one line of its own instead, so this keeps
 the agent's messages that say something to a user (restarts of the worker group) and returns the
 failures as data.
+
+SIGINT / SIGTERM (Ctrl-C, a preempted job) reach the launcher only: torch starts each worker in a
+session of its own. The agent's own handling would kill the workers (after 30 s at most); instead
+``StopForwarding`` hands the first signal on to every worker, which finishes its step and leaves after a
+checkpoint (train/control.py). A second signal, or one that comes before every worker is up, kills the
+workers at once, through the agent (its SignalException, with SIGKILL: no traceback from any worker).
 """
 
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
-from typing import Dict, Iterator, List, Tuple
+import os
+import signal
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 # The agent's loggers whose failure messages repeat what the launcher says itself: "failed (exitcode: 2)
 # local_rank: 0 ...", "Sending process N closing signal SIGTERM".
@@ -19,6 +27,14 @@ NOISY_LOGGERS = (
     "torch.distributed.elastic.multiprocessing.api",
     "torch.distributed.elastic.agent.server.local_elastic_agent",
 )
+# Its "Received SIGKILL death signal, shutting down workers" repeats the launcher's hard-stop line; its
+# restart messages are worth keeping, so only that one is filtered (DeathSignalFilter).
+AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"
+
+
+class DeathSignalFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "death signal" not in record.getMessage()
 
 
 @contextmanager
@@ -27,27 +43,75 @@ def quiet_failure_logs() -> Iterator[None]:
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.CRITICAL)
+    agent, death_signals = logging.getLogger(AGENT_LOGGER), DeathSignalFilter()
+    agent.addFilter(death_signals)
     try:
         yield
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
+        agent.removeFilter(death_signals)
 
 
-def run_local_workers(torchrun_args: List[str]) -> Dict[int, int]:
-    """``torchrun *torchrun_args`` in this process: {} when every worker ended well, else
-    {global rank: exit code} of the workers that failed (after any restarts torchrun was allowed), the
-    cause first (cause_first: the agent stops the other ranks with a signal, and the failures' timestamps
-    are whole seconds)."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# The signals torch's agent handles itself (torchrun --signals-to-handle): the stop signals are ours.
+AGENT_SIGNALS = ("--signals-to-handle", "SIGHUP,SIGQUIT")
+
+
+class StopForwarding:
+    """The launcher's SIGINT / SIGTERM handler while the workers run. ``worker_pids()`` lists the
+    workers that are up (each registers itself); ``num_workers`` is how many there are to be."""
+
+    def __init__(self, worker_pids: Callable[[], List[int]], num_workers: int):
+        self.worker_pids, self.num_workers = worker_pids, num_workers
+        self.signum = 0
+        """The first stop signal (0: none came)."""
+        self.hard = False
+        """Whether the workers were killed (a second signal, or one before all were up)."""
+
+    def __call__(self, signum: int, frame: object) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        pids = self.worker_pids()
+        if self.signum or len(pids) < self.num_workers:
+            self.signum, self.hard = self.signum or signum, True
+            raise SignalException(f"stopped by signal {signum}", sigval=signal.SIGKILL)
+        self.signum = signum
+        for pid in pids:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:  # already gone
+                pass
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        saved = {sig: signal.signal(sig, self) for sig in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+
+
+def run_local_workers(torchrun_args: List[str], stop: Optional[StopForwarding] = None) -> Dict[int, int]:
+    """``torchrun *torchrun_args`` in this process: {} when every worker ended well (or ``stop`` killed
+    them: its ``hard``), else {global rank: exit code} of the workers that failed (after any restarts
+    torchrun was allowed), the cause first (cause_first: the agent stops the other ranks with a signal,
+    and the failures' timestamps are whole seconds)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    args = parse_args(torchrun_args)  # type: ignore[no-untyped-call]  # torch leaves these two untyped
+    # torch leaves parse_args and run untyped
+    args = parse_args([*AGENT_SIGNALS, *torchrun_args] if stop else torchrun_args)  # type: ignore[no-untyped-call]
     try:
-        with quiet_failure_logs():
+        with quiet_failure_logs(), stop.installed() if stop else nullcontext():
             run(args)  # type: ignore[no-untyped-call]
     except ChildFailedError as err:
         return cause_first({rank: (f.exitcode, f.timestamp) for rank, f in err.failures.items()})
+    except SignalException:
+        if stop is None or not stop.hard:
+            raise
     return {}
 
 

@@ -11,9 +11,12 @@ the dense state, train/checkpoint_parts.py). Layout: ``OUT/checkpoints/step_0001
   model/           a transformers model's config files and tokenizer, what the export builds it from
                    (train/model_files.py; meta.pt names the base it was trained from by content hash)
 Atomic: everything goes into ``step_000120.tmp/`` and rank 0 renames it when all ranks are done; the
-previous checkpoint stays until then. Files hold only tensors and plain containers and are read with
-``torch.load(weights_only=True)``, DCP's pickled metadata through an allowlist (``SafeReader``): no
-arbitrary pickle is ever loaded. Older layouts (one ``dense.pt``; meta.pt without parts) are refused by name.
+previous checkpoint stays until then. Retention (``output.keep_checkpoints``) deletes only complete
+checkpoints older than the newest few, and each by first renaming it to ``step_000100.old/``: a deletion
+cut short leaves a directory no reader takes for a checkpoint, removed at the next save.
+Files hold only tensors and plain containers and are read with ``torch.load(weights_only=True)``, DCP's
+pickled metadata through an allowlist (``SafeReader``): no arbitrary pickle is ever loaded. Older layouts
+(one ``dense.pt``; meta.pt without parts) are refused by name.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from .checkpoint_parts import atomic_save, dense_directory, load_file
 from .dense_state import CheckpointError, read_dense_params
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+RETIRED = ".old"  # a checkpoint being deleted: renamed first, so that it is never half a checkpoint
 FORMAT = 2
 ARCHITECTURE_SECTIONS = ("task", "model", "moe")
 TASK_ARCHITECTURE_KEYS = ("name", "max_len", "num_samples", "seed", "path")
@@ -76,6 +80,8 @@ class CheckpointManager:
         self.config = config
         self.groups = groups
         self.states = {name: states[name] for name in LOAD_ORDER if name in states}
+        self.resumed_config: Optional[Dict[str, Any]] = None
+        """The config (as a dict) of the run that wrote the checkpoint this run resumed from."""
 
     @property
     def is_rank0(self) -> bool:
@@ -99,8 +105,7 @@ class CheckpointManager:
             atomic_save(self._meta(step, entries), tmp / "meta.pt")
         barrier(self.groups, "checkpoint written")
         if self.is_rank0:
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
+            commit(tmp, final)
             self._prune(self.config.output.keep_checkpoints)
         barrier(self.groups, "checkpoint committed")
         return final
@@ -109,8 +114,13 @@ class CheckpointManager:
         return {"format": FORMAT, "step": step, "config": config_json(self.config), "states": entries}
 
     def _prune(self, keep: int) -> None:
+        """Delete the complete checkpoints older than the newest ``keep`` (the one just committed is the
+        newest; one being written is a .tmp and never complete), and what an earlier deletion left."""
+        root = checkpoint_root(self.config.output.out_dir)
         for old in complete_checkpoints(self.config.output.out_dir)[: -max(1, keep)]:
-            shutil.rmtree(old, ignore_errors=True)
+            retire(old)
+        for leftover in root.glob(f"step_*{RETIRED}"):
+            shutil.rmtree(leftover, ignore_errors=True)
 
     # -- resume ------------------------------------------------------------------------------------
     def resume(self, spec: str) -> Optional[Path]:
@@ -136,7 +146,8 @@ class CheckpointManager:
         # A checkpoint that names its base by content hash resumes from the base wherever it now lives: the
         # "model" part compares the hashes, so model.path itself may differ
         by_content = ("path",) if (meta["states"].get("model") or {}).get("base") else ()
-        check_architecture(json.loads(meta["config"]), self.config, path, by_content)
+        self.resumed_config = json.loads(meta["config"])
+        check_architecture(self.resumed_config, self.config, path, by_content)
         missing = [name for name in self.states if name not in meta["states"] and name not in OPTIONAL_PARTS]
         if missing:
             raise CheckpointError(f"checkpoint {path} holds no {', '.join(missing)} state (meta.pt parts)")
@@ -148,6 +159,27 @@ class CheckpointManager:
                 part.load_files(path, entry)
             else:
                 part.load_state_dict(entry)
+
+
+def retire(checkpoint: Path) -> Path:
+    """Take a complete checkpoint out of the readers' sight at once (a rename), then delete it."""
+    retired = checkpoint.with_name(checkpoint.name + RETIRED)
+    shutil.rmtree(retired, ignore_errors=True)
+    checkpoint.rename(retired)
+    shutil.rmtree(retired, ignore_errors=True)
+    return retired
+
+
+def commit(tmp: Path, final: Path) -> None:
+    """``tmp`` becomes ``final``. A checkpoint of the same step already there (a run resumed from it and
+    stopped again at once) is moved aside first, as a rename cannot replace a non-empty directory, and
+    deleted once the new one is in place."""
+    aside = final.with_name(final.name + RETIRED)
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        final.rename(aside)
+    tmp.rename(final)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 # -- reading checkpoints outside a run (export, analyses) ---------------------------------------------

@@ -8,19 +8,28 @@ A user mistake (a ValueError: config, data files, checkpoint) ends the command w
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shlex
+import signal
 import sys
 import warnings
 from pathlib import Path
-from typing import Callable, List, NoReturn, Optional
+from typing import Callable, Dict, List, NoReturn, Optional
 
 from ..config import RunConfig, load_config, options_help
+from .control import StopSignals, stop_exit_status
 from .help import option_choices, paths_note
 from .printed_config import printed_config
 from .startup import ConfigWarning, prepare_run
 
 USAGE_ERROR = 2  # the exit status argparse uses for a bad command line
-ERROR_DIR_ENV = "DYNMOE_ERROR_DIR"  # set by train/launch.py for the ranks it starts
+# Set by train/launch.py for the ranks it starts: the directory where each rank leaves its error line
+# (rank{r}), its process id (pid{r}, to which the launcher forwards SIGINT / SIGTERM) and, on rank 0,
+# where a run stopped by a signal stopped (STOPPED_FILE).
+ERROR_DIR_ENV = "DYNMOE_ERROR_DIR"
+STOPPED_FILE = "stopped.json"
+SELF_COMMAND = "python -m dynmoe_dist.train"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -135,22 +144,86 @@ def start(args) -> RunConfig:
     return config
 
 
-def train(args) -> int:
-    config = start(args)
-    if args.print_config:
-        print(printed_config(config))
-        return 0
-    from .run import run  # heavy imports only when actually training
+# -- a run stopped by SIGINT / SIGTERM -------------------------------------------------------------
+def register_rank() -> None:
+    """Under the launcher: leave this rank's process id where it forwards a stop signal from."""
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    if error_dir:
+        Path(error_dir, f"pid{os.environ.get('RANK', '0')}").write_text(f"{os.getpid()}\n")
 
-    final = run(config)
+
+def rank_pids(error_dir: Path) -> List[int]:
+    """The process ids the ranks registered (register_rank)."""
+    return [int(path.read_text()) for path in error_dir.glob("pid*") if path.read_text().strip().isdigit()]
+
+
+def resume_command(command: str, argv: List[str]) -> str:
+    """The command that continues this run: its own options, any resume option replaced by --resume auto."""
+    kept: List[str] = []
+    skip = False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg == "--resume" or (arg == "--set" and argv[i + 1 : i + 2] and argv[i + 1].startswith("output.resume=")):
+            skip = True
+        elif not arg.startswith(("--resume=", "--set=output.resume=")):
+            kept.append(arg)
+    return f"{command} {shlex.join(kept + ['--resume', 'auto'])}"
+
+
+def stop_line(stopped: Dict, command: str) -> str:
+    """The one line of a run stopped by a signal: after which step, its checkpoint, how to resume."""
+    name = signal.Signals(stopped["signal"]).name
+    head = f"dynmoe-train: stopped by {name} after step {stopped['step']}"
+    checkpoint = stopped.get("checkpoint")
+    if not checkpoint:
+        return f"{head}; no checkpoint was written (output.final_checkpoint = false): a rerun starts at step 0"
+    return f"{head}; checkpoint: {checkpoint}; resume: {command}"
+
+
+def report_stop(stopped: Dict, argv: List[str]) -> int:
+    """Rank 0 says where the run stopped: into the launcher's directory (it prints the line, with its
+    own command), or on stderr. Exit status: 0 under the launcher (a rank that exits otherwise would
+    make torchrun restart the group), else the shell's for the signal (130, 143)."""
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    if stopped.get("rank0", True):
+        if error_dir:
+            Path(error_dir, STOPPED_FILE).write_text(
+                json.dumps({k: stopped[k] for k in ("step", "signal", "checkpoint")})
+            )
+        else:
+            print(stop_line(stopped, resume_command(SELF_COMMAND, argv)), file=sys.stderr, flush=True)
+    return 0 if error_dir else stop_exit_status(stopped["signal"])
+
+
+def read_stop(error_dir: Path) -> Optional[Dict]:
+    """What rank 0 left in the launcher's directory when the run stopped on a signal (None: it did not)."""
+    path = error_dir / STOPPED_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def train(args, argv: List[str]) -> int:
+    # First: a stop during start-up takes effect after the first step.
+    with StopSignals().installed() as signals:
+        register_rank()
+        config = start(args)
+        if args.print_config:
+            print(printed_config(config))
+            return 0
+        from .run import run  # heavy imports only when actually training
+
+        final = run(config, signals=signals)
+    if final["kind"] == "stopped":
+        return report_stop(final, argv)
     if final.get("rank0", True) and "test_accuracy" in final:
         print(summary(final, config.output.out_dir), flush=True)
     return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
-    return guarded(lambda: train(args))
+    return guarded(lambda: train(args, argv))
 
 
 if __name__ == "__main__":

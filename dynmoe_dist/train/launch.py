@@ -9,12 +9,17 @@ see (a corpus without the text column, a corrupt checkpoint) goes from each rank
 directory this launcher names (DYNMOE_ERROR_DIR) instead of its stderr, and the launcher prints one of
 them, rank 0's first: again one line and exit status 2, without torchrun's ChildFailedError report. A rank
 that crashes any other way prints its own traceback; the launcher adds a line naming it and exits 1.
+
+SIGINT or SIGTERM (Ctrl-C, a preempted job) is forwarded to every rank: each finishes its step, the run
+writes a checkpoint, and the launcher prints one line (the step, the checkpoint, the command that
+resumes it) and exits 130 / 143. A second one kills the ranks at once (parallel/elastic.py).
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import signal
 import sys
 import tempfile
 import warnings
@@ -23,13 +28,17 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
 from ..config import RunConfig
-from ..parallel.elastic import run_local_workers
+from ..parallel.elastic import StopForwarding, run_local_workers
 from . import cli
+from .checkpoint import complete_checkpoints
+from .control import stop_exit_status
 from .printed_config import printed_config
 from .startup import ConfigWarning, prepare_run
 
 USAGE = "usage: python -m dynmoe_dist.train.launch NPROC [dynmoe-train options]  (see dynmoe-train --help)"
 CRASHED = 1  # torchrun's own exit status for a failed worker
+COMMAND_ENV = "DYNMOE_LAUNCH_COMMAND"  # how the user started this launcher (launcher/torchrun.sh sets it)
+LAUNCH_COMMAND = "python -m dynmoe_dist.train.launch"
 
 
 def parse_nproc(text: Optional[str]) -> int:
@@ -89,16 +98,47 @@ def outcome(failures: Dict[int, int], errors: Dict[int, str]) -> int:
     return 0
 
 
-def launch(nproc: int, train_args: List[str]) -> int:
+def stopped_outcome(stop: StopForwarding, stopped: Optional[Dict], out_dir: str, command: str) -> int:
+    """The one line of a job stopped by a signal, and its exit status (130 / 143). ``stopped``: what rank
+    0 left after its checkpoint (None: the ranks were killed, and the newest complete checkpoint counts)."""
+    if stopped is None:
+        found = complete_checkpoints(out_dir)
+        name = signal.Signals(stop.signum).name
+        where = f"the newest checkpoint: {found[-1]}; resume: {command}" if found else "no checkpoint to resume from"
+        print(
+            f"dynmoe-train: killed by a second {name} (or one during start-up), no checkpoint written; {where}",
+            file=sys.stderr,
+            flush=True,
+        )
+    else:
+        print(cli.stop_line({**stopped, "signal": stop.signum}, command), file=sys.stderr, flush=True)
+    return stop_exit_status(stop.signum)
+
+
+def launch(nproc: int, train_args: List[str], out_dir: str) -> int:
     # torchrun sets OMP_NUM_THREADS=1 for several ranks anyway, with a 4-line warning when it was unset.
     threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")} if nproc > 1 else {}
     with tempfile.TemporaryDirectory(prefix="dynmoe-errors-") as error_dir:
+        stop = StopForwarding(lambda: cli.rank_pids(Path(error_dir)), nproc)
         with environment(**{cli.ERROR_DIR_ENV: error_dir}, **threads):
-            failures = run_local_workers(torchrun_args(nproc, train_args))
+            failures = run_local_workers(torchrun_args(nproc, train_args), stop)
+        if stop.signum and not failures:
+            stopped = None if stop.hard else cli.read_stop(Path(error_dir))
+            if stop.hard or stopped is not None:  # else the run ended on its own before it saw the signal
+                command = cli.resume_command(f"{os.environ.get(COMMAND_ENV, LAUNCH_COMMAND)} {nproc}", train_args)
+                return stopped_outcome(stop, stopped, out_dir, command)
         return outcome(failures, rank_errors(Path(error_dir)) if failures else {})
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        return checked_launch(argv)
+    except KeyboardInterrupt:  # Ctrl-C while the config is checked, before any rank started: nothing to save
+        print("dynmoe-train: stopped by SIGINT before training started", file=sys.stderr, flush=True)
+        return stop_exit_status(signal.SIGINT)
+
+
+def checked_launch(argv: Optional[List[str]]) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     nproc_text, train_args = (argv[0], argv[1:]) if argv else (None, [])
     if nproc_text in ("-h", "--help"):
@@ -116,7 +156,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.print_config:
         print(printed_config(config))
         return 0
-    return launch(nproc, train_args)
+    return launch(nproc, train_args, config.output.out_dir)
 
 
 if __name__ == "__main__":

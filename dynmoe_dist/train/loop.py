@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Sequence
 
 import torch
 
@@ -133,7 +133,9 @@ class Trainer:
         for micro in range(self.config.train.grad_accum):
             yield self.micro_batch(self.schedule.micro_indices(self.step, micro))
 
-    def train_step(self) -> Dict:
+    def train_step(self, votes: Sequence[float] = ()) -> Dict:
+        """One optimizer step; ``votes`` (train/control.py), if any, are summed over ranks with the step's
+        metrics and come back, summed, under the record's "votes" (the caller takes them out)."""
         started = time.perf_counter()
         self.recorders.reset_step()
         if self.balancers is not None:
@@ -151,7 +153,7 @@ class Trainer:
             self.autocast,
         )
         self.step += 1
-        record = self._step_record(totals, time.perf_counter() - started, lr)
+        record = self._step_record(totals, time.perf_counter() - started, lr, votes)
         if grad_norm is not None:
             record["grad_norm"] = grad_norm
         return record
@@ -160,11 +162,13 @@ class Trainer:
     def _sum_over_ranks(self, vector: torch.Tensor, what: str) -> torch.Tensor:
         return sum_over_ranks(vector, self.groups, what)
 
-    def _step_record(self, totals: StepTotals, seconds: float, lr: float) -> Dict:
+    def _step_record(self, totals: StepTotals, seconds: float, lr: float, votes: Sequence[float]) -> Dict:
         balance = [self.balancers.step_vector()] if self.balancers is not None else []
+        local = torch.cat([totals.vector(), self.recorders.step_vector(), *balance])
         summed = self._sum_over_ranks(
-            torch.cat([totals.vector(), self.recorders.step_vector(), *balance]), "step metrics all_reduce"
+            torch.cat([local, torch.tensor(votes, dtype=local.dtype)]), "step metrics all_reduce"
         ).tolist()
+        summed, summed_votes = summed[: local.numel()], summed[local.numel() :]
         if self.balancers is not None:  # their counts ride at the end of the step's one summed vector
             balance_moves = self.balancers.update(summed[len(summed) - self.balancers.size :])
             summed = summed[: len(summed) - self.balancers.size]
@@ -181,6 +185,8 @@ class Trainer:
             "step_s": seconds,
             "samples_per_s": items / seconds,
         }
+        if votes:
+            record["votes"] = summed_votes
         record.update(self._layer_metrics(summed[4:], seconds, items))
         if self.balancers is not None:
             record.update(balance_moves, target_k=self.config.moe.target_k)

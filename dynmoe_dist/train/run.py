@@ -5,10 +5,12 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import signal
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -18,9 +20,11 @@ from ..moe.layer import block_labels
 from ..parallel.groups import barrier
 from .adaptive import AdaptiveController
 from .calibrate import calibrate_converted
-from .checkpoint import CheckpointManager
+from .checkpoint import CheckpointManager, complete_checkpoints
+from .control import StepControl, StopSignals
 from .finish import finished_files
 from .loop import Trainer
+from .notices import checkpoint_line, length_change_line, unreachable_window_line
 from .startup import resolve_optional_features
 from .telemetry import Telemetry
 
@@ -72,12 +76,12 @@ def maybe_crash(config: RunConfig, trainer: Trainer) -> None:
     os._exit(17)
 
 
-def step_once(trainer: Trainer, adaptive: Optional[AdaptiveController]):
+def step_once(trainer: Trainer, adaptive: Optional[AdaptiveController], votes: List[float]):
     """One optimizer step with the adaptive hooks around it: (step record, adaptive event records)."""
     step_index = trainer.step
     if adaptive:
         adaptive.before_step(step_index)
-    record = trainer.train_step()
+    record = trainer.train_step(votes)
     return record, adaptive.after_step(step_index) if adaptive else []
 
 
@@ -92,6 +96,8 @@ class Start:
     checkpoints: CheckpointManager
     calibration: Optional[Dict]
     """The calibration record of a fresh run that converted an imported MoE's routers; else None."""
+    resumed: Optional[Path] = None
+    """The checkpoint the run resumed from; None for a fresh start."""
 
 
 def start(
@@ -109,7 +115,7 @@ def start(
         archive_previous_run(Path(config.output.out_dir))
     # An imported MoE converted to top-any: thresholds calibrated once, at the fresh start.
     calibration = calibrate_at_start(trainer) if resumed is None else None
-    return Start(config, trainer, adaptive, checkpoints, calibration)
+    return Start(config, trainer, adaptive, checkpoints, calibration, resumed)
 
 
 def calibrate_at_start(trainer: Trainer) -> Optional[Dict]:
@@ -132,52 +138,147 @@ def calibrate_at_start(trainer: Trainer) -> Optional[Dict]:
     return {"kind": "calibration", "step": trainer.step, **record, **after}
 
 
-def run(config: RunConfig, trainer: Optional[Trainer] = None, coordinator_factory: Optional[Callable] = None) -> Dict:
+def run(
+    config: RunConfig,
+    trainer: Optional[Trainer] = None,
+    coordinator_factory: Optional[Callable] = None,
+    signals: Optional[StopSignals] = None,
+) -> Dict:
+    """The whole job. ``signals``: the rank's SIGINT / SIGTERM handlers (the CLI installs them); a stop
+    they ask for ends the run after a step and a checkpoint, with a "stopped" result instead of "final"."""
     started = time.perf_counter()
     begun = start(config, trainer, coordinator_factory)
     config, trainer, adaptive, checkpoints = begun.config, begun.trainer, begun.adaptive, begun.checkpoints
-    total = trainer.schedule.total_steps
+    resumed = begun.resumed
+    if trainer.is_rank0:
+        say_at_start(trainer, adaptive, resumed, checkpoints.resumed_config)
+    control = StepControl(config.output, trainer.is_rank0, signals, trainer.step if resumed else -1)
     out = config.output
     with Telemetry(
         out.out_dir,
-        total,
+        trainer.schedule.total_steps,
         rank0=trainer.is_rank0,
         progress=out.progress,
         tensorboard=out.tensorboard,
         initial_step=trainer.step,
     ) as telemetry:
+        if resumed is not None:
+            telemetry.log(resume_record(trainer, resumed))
         if begun.calibration is not None:
             telemetry.log(begun.calibration)
-        blocks = block_labels([shard.name for shard in trainer.parts.experts.shards])  # labels for the report
-        while trainer.step < total:
-            record, events = step_once(trainer, adaptive)
-            record["blocks"] = blocks
-            if (trainer.step - 1) % config.train.log_every == 0 or trainer.step == total:
-                telemetry.log(record)
-            for event in events:
-                telemetry.log(event)
-            if config.train.eval_every and trainer.step % config.train.eval_every == 0 and trainer.step < total:
-                telemetry.log({"kind": "eval", "step": trainer.step, "epoch": record["epoch"], **evaluation(trainer)})
-            if out.checkpoint_every and trainer.step % out.checkpoint_every == 0:
-                checkpoints.save(trainer.step)
-            maybe_crash(config, trainer)
-        final = {
-            "kind": "final",
-            "step": trainer.step,
-            "epoch": trainer.step / trainer.schedule.steps_per_epoch,
-            **evaluation(trainer, "final evaluation"),
-            "wall_s": time.perf_counter() - started,
-            "num_experts": [layer.num_experts for layer in trainer.moe_layers],
-            "blocks": blocks,
-        }
+        stopped = train_steps(trainer, adaptive, telemetry, Saver(checkpoints, control), control)
+        if stopped is not None:
+            return stopped
+        final = final_record(trainer, started)
         telemetry.log(final)
-    if out.final_checkpoint:
+    if out.final_checkpoint and control.last_saved_step != trainer.step:
         checkpoints.save(trainer.step)
     if trainer.is_rank0:
         final.update(run_files(config, trainer))
     barrier(trainer.groups, "end of run")
     final["rank0"] = trainer.is_rank0
     return final
+
+
+class Saver:
+    """Writes a checkpoint and tells the step control when (for the time rule and the end's save)."""
+
+    def __init__(self, checkpoints: CheckpointManager, control: StepControl):
+        self.checkpoints, self.control = checkpoints, control
+
+    def __call__(self, step: int) -> Path:
+        path = self.checkpoints.save(step)
+        self.control.saved(step)
+        return path
+
+
+def train_steps(trainer: Trainer, adaptive, telemetry: Telemetry, save: Saver, control: StepControl) -> Optional[Dict]:
+    """The steps up to the run's last, with their logging, evaluations and checkpoints; None when they
+    all ran, the "stopped" result when a stop signal ended them early (after a checkpoint)."""
+    config, total = trainer.config, trainer.schedule.total_steps
+    blocks = block_labels([shard.name for shard in trainer.parts.experts.shards])  # labels for the report
+    while trainer.step < total:
+        record, events = step_once(trainer, adaptive, control.votes())
+        decision = control.decide(record.pop("votes"), trainer.step)
+        record["blocks"] = blocks
+        if (trainer.step - 1) % config.train.log_every == 0 or trainer.step == total or decision.stop:
+            telemetry.log(record)
+        for event in events:
+            telemetry.log(event)
+        evaluate_now = config.train.eval_every and trainer.step % config.train.eval_every == 0
+        if evaluate_now and trainer.step < total and not decision.stop:
+            telemetry.log({"kind": "eval", "step": trainer.step, "epoch": record["epoch"], **evaluation(trainer)})
+        if decision.checkpoint or (decision.stop and config.output.final_checkpoint):
+            save(trainer.step)
+        maybe_crash(config, trainer)
+        if decision.stop:
+            # A rank the signal did not reach stops for the others (as a preempted job's would, by SIGTERM).
+            return stopped_record(trainer, control.signum or signal.SIGTERM)
+    return None
+
+
+def stopped_record(trainer: Trainer, signum: int) -> Dict:
+    """What a run stopped by a signal returns on every rank (the signal may have reached only some):
+    the step it stopped after, and on rank 0 the newest complete checkpoint (the one just written unless
+    output.final_checkpoint is off)."""
+    barrier(trainer.groups, "stopped")
+    found = complete_checkpoints(trainer.config.output.out_dir) if trainer.is_rank0 else []
+    return {
+        "kind": "stopped",
+        "step": trainer.step,
+        "signal": signum,
+        "checkpoint": str(found[-1]) if found else None,
+        "rank0": trainer.is_rank0,
+    }
+
+
+def final_record(trainer: Trainer, started: float) -> Dict:
+    return {
+        "kind": "final",
+        "step": trainer.step,
+        "epoch": trainer.step / trainer.schedule.steps_per_epoch,
+        **evaluation(trainer, "final evaluation"),
+        "wall_s": time.perf_counter() - started,
+        "num_experts": [layer.num_experts for layer in trainer.moe_layers],
+        "blocks": block_labels([shard.name for shard in trainer.parts.experts.shards]),
+    }
+
+
+def resume_record(trainer: Trainer, checkpoint: Path) -> Dict:
+    """Marks the resume in metrics.jsonl: readers drop what the run recorded past this step before."""
+    return {
+        "kind": "resume",
+        "step": trainer.step,
+        "epoch": trainer.step / trainer.schedule.steps_per_epoch,
+        "checkpoint": str(checkpoint),
+        "total_steps": trainer.schedule.total_steps,
+    }
+
+
+def say_at_start(
+    trainer: Trainer, adaptive: Optional[AdaptiveController], resumed: Optional[Path], resumed_config: Optional[Dict]
+) -> None:
+    """Rank 0's lines before the first step: where checkpoints go and where the run resumed from
+    (stdout); a run length changed by the resume and an adaptive window the run never reaches (warnings,
+    stderr)."""
+    config, schedule, step = trainer.config, trainer.schedule, trainer.step
+    print(checkpoint_line(config.output), flush=True)
+    if resumed is not None:
+        print(f"resumed from {resumed} at step {step} of {schedule.total_steps}", flush=True)
+    warnings = []
+    if resumed_config is not None:
+        saved_train = resumed_config.get("train", {})
+        saved = replace(
+            schedule,
+            epochs=saved_train.get("epochs", schedule.epochs),
+            max_steps=saved_train.get("max_steps", schedule.max_steps),
+        )
+        warnings.append(length_change_line(saved_train, config.train, saved.total_steps, schedule.total_steps, step))
+    if adaptive is not None:
+        by_epoch = not config.adaptive.period_steps
+        warnings.append(unreachable_window_line(adaptive.schedule, schedule.total_steps, by_epoch))
+    for line in filter(None, warnings):
+        print(f"dynmoe-train: warning: {line}", file=sys.stderr, flush=True)
 
 
 def evaluation(trainer: Trainer, wait: str = "held-out scoring") -> Dict:

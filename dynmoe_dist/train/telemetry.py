@@ -6,7 +6,9 @@ Every record is a flat JSON object with a ``kind`` and the optimizer ``step`` it
   ``blocks``: the model block each MoE layer sits in) and per-layer nested lists (``expert_load`` rows
   per expert, ``rank_load`` rows per EP rank);
 - ``eval``: test scalars; ``event``: one adaptive change of one layer (``layer``: its position among
-  the MoE layers, ``block``: the model's block index); ``final``: end-of-run scalars.
+  the MoE layers, ``block``: the model's block index); ``final``: end-of-run scalars;
+- ``resume``: the run resumed here from ``checkpoint``. The steps past it that the file already holds
+  (run before a crash or stop, after that checkpoint) are run again; ``read_metrics`` keeps the later.
 
 What a user reads (event lines, TensorBoard tags, the report) names a layer by its model block ("block
 4"), as model.moe_layers does; records written before ``blocks`` existed are labelled by position.
@@ -28,7 +30,7 @@ from typing import Any, Dict, List, Optional, TextIO
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
-RECORD_KINDS = ("step", "eval", "event", "window", "final", "calibration")
+RECORD_KINDS = ("step", "eval", "event", "window", "final", "calibration", "resume")
 PER_LAYER_LISTS = (
     "num_experts",
     "mean_k",
@@ -139,8 +141,34 @@ def _drop_torn_tail(path: Path) -> None:
 
 
 def read_metrics(path: str | os.PathLike) -> List[Dict[str, Any]]:
-    """All records of a metrics file, in order. A torn last line (a crash mid-write) is skipped;
-    an unreadable line anywhere else means the file is damaged and raises ValueError."""
+    """The records of a metrics file, in order, each step counted once (``latest_attempt``). A torn last
+    line (a crash mid-write) is skipped; an unreadable line anywhere else means the file is damaged and
+    raises ValueError."""
+    return latest_attempt(read_metrics_lines(path))
+
+
+def latest_attempt(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The run as it stands after its resumes: a resume from step S (a ``resume`` record) replaces what
+    was recorded past S before it, and the ``final`` of a run it continues. Files written before resume
+    records existed mark a resume only by a step record that does not come after the previous one: the
+    records from its step on are replaced. The later record for a repeated step wins."""
+    kept: List[Dict[str, Any]] = []
+    last_step = -1  # of the newest step record kept
+    for record in records:
+        kind, step = record.get("kind"), record.get("step", 0)
+        if kind == "resume":
+            kept = [r for r in kept if r.get("step", 0) <= step and r.get("kind") != "final"]
+            last_step = min(last_step, step)
+        elif kind == "step":
+            if step <= last_step:
+                kept = [r for r in kept if r.get("step", 0) < step]
+            last_step = step
+        kept.append(record)
+    return kept
+
+
+def read_metrics_lines(path: str | os.PathLike) -> List[Dict[str, Any]]:
+    """Every record of a metrics file as written, repeats included."""
     lines = Path(path).read_text(encoding="utf-8").split("\n")
     records = []
     for number, line in enumerate(lines, start=1):
@@ -460,7 +488,8 @@ class Telemetry:
             self.progress.write(describe_event(record))
         elif record["kind"] == "window":
             self.progress.write(describe_window(record))
-        elif record["kind"] != "final":  # the final scores are the caller's summary (cli.summary), printed once
+        elif record["kind"] not in ("final", "resume"):  # the final scores are the caller's summary
+            # (cli.summary), printed once; the resume is said at the start (train/run.py), bar or not
             self.progress.write(describe_scores(record))
 
     def close(self) -> None:

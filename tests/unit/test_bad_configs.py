@@ -298,7 +298,7 @@ def test_errors_from_inside_the_run_are_one_line_too(monkeypatch, capsys):
     from dynmoe_dist.train import run as run_module
     from dynmoe_dist.train.checkpoint import CheckpointError
 
-    def failing_run(config):
+    def failing_run(config, signals=None):
         raise CheckpointError(
             "checkpoint file x/meta.pt is corrupt or unreadable: Weights only load failed.\n\n"
             "Check the documentation of torch.load"
