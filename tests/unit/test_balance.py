@@ -160,22 +160,14 @@ def test_an_imported_deepseek_v3_runs_its_own_balance_rule_only_when_asked(tmp_p
     """A tiny DeepSeek-V3 trained with its own routing: by default its e_score_correction_bias stays the
     checkpoint's (transformers' forward never moves it); with moe.balance = 'bias' each step moves it by
     +-balance_rate per expert, re-centred, against the loads summed over the step."""
-    from hf_tiny import corpus_lines, save_moe_checkpoint
+    from hf_tiny import corpus_lines, moe_run_settings, save_moe_checkpoint
 
     from dynmoe_dist.config import load_config
     from dynmoe_dist.train.loop import Trainer
 
     directory, _ = save_moe_checkpoint("deepseek_v3", tmp_path / "ds")
     (tmp_path / "c.txt").write_text("\n".join(corpus_lines(40, 2)) + "\n")
-    settings = [
-        "task.name='causal-lm'",
-        f"task.path='{tmp_path / 'c.txt'}'",
-        "task.max_len=8",
-        "model.source='hf'",
-        f"model.path='{directory}'",
-        "train.precision='float64'",
-        "train.global_batch_size=4",
-    ]
+    settings = moe_run_settings(directory, tmp_path / "c.txt", 1, batch=4)
 
     def biases_after_two_steps(*extra):
         trainer = Trainer(load_config(None, settings + list(extra)))
