@@ -46,7 +46,7 @@ def test_wait_bar_advances_and_is_silent_when_disabled(capsys, every_redraw):
     assert capsys.readouterr() == ("", "")
 
 
-def test_evaluation_shows_a_bar_over_the_held_out_batches(capsys, every_redraw):
+def test_evaluation_shows_a_bar_over_the_held_out_batches_on_rank0_only(capsys, every_redraw, monkeypatch):
     from dynmoe_dist.config import load_config
     from dynmoe_dist.train.loop import Trainer
 
@@ -56,6 +56,10 @@ def test_evaluation_shows_a_bar_over_the_held_out_batches(capsys, every_redraw):
     trainer.evaluate("final evaluation")
     shown = counts_shown(capsys.readouterr().err, "final evaluation", num_batches)
     assert shown == list(range(1, num_batches + 1))
+    # any other rank of the job scores silently (here: this process told it is not rank 0)
+    monkeypatch.setattr(Trainer, "is_rank0", property(lambda self: False))
+    trainer.evaluate("final evaluation")
+    assert capsys.readouterr() == ("", "")
 
 
 def test_calibration_shows_a_bar_over_the_layers_then_over_the_scoring(tmp_path, capsys, every_redraw):
