@@ -15,7 +15,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
-from hf_tiny import corpus_lines, save_moe_checkpoint, write_tiny_run  # noqa: E402
+from hf_tiny import corpus_lines, moe_run_settings, save_moe_checkpoint, write_tiny_run  # noqa: E402
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.export import main  # noqa: E402
@@ -23,22 +23,8 @@ from dynmoe_dist.train.checkpoint import read_checkpoint_dense, read_meta  # noq
 
 
 def settings(model_dir, text_file, out_dir, *extra):
-    return [
-        "task.name='causal-lm'",
-        f"task.path='{text_file}'",
-        "task.max_len=8",
-        "model.source='hf'",
-        f"model.path='{model_dir}'",
-        "train.precision='float64'",
-        "train.max_steps=3",
-        "train.global_batch_size=6",
-        "train.lr=0.01",
-        f"output.out_dir='{out_dir}'",
-        "output.progress=false",
-        "output.tensorboard=false",
-        "output.report=false",
-        *extra,
-    ]
+    """A 3-step float64 run on one process (hf_tiny's imported-MoE run settings, an event after step 2)."""
+    return moe_run_settings(model_dir, text_file, 1, f"output.out_dir='{out_dir}'", *extra, steps=3)
 
 
 UPCYCLED = ("model.moe_layers=[1, 2]", "moe.num_experts=3", "model.freeze=['model.embed_tokens', 'model.layers.0']")
