@@ -8,6 +8,7 @@ tokenizer with a content hash the export checks; meta.pt names the base by path 
 resume from a base whose content changed fails in one line naming both hashes and the path.
 """
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -27,6 +28,7 @@ def settings(model_dir, text_file, out_dir, *extra):
     return moe_run_settings(model_dir, text_file, 1, f"output.out_dir='{out_dir}'", *extra, steps=3)
 
 
+GENERATION = {"do_sample": True, "temperature": 0.42, "top_p": 0.9, "bos_token_id": 0, "eos_token_id": 1}
 UPCYCLED = ("model.moe_layers=[1, 2]", "moe.num_experts=3", "model.freeze=['model.embed_tokens', 'model.layers.0']")
 
 
@@ -49,6 +51,8 @@ def export_files(checkpoint, out, capsys):
 def upcycled(tmp_path_factory):
     root = tmp_path_factory.mktemp("upcycled")
     model_dir, text_file = write_tiny_run(root)
+    # the base's own generation settings, which the export must carry (not transformers' defaults)
+    (Path(model_dir) / "generation_config.json").write_text(json.dumps(GENERATION))
     # task.tokenizer unset: the tokenizer too is the base's, at model.path
     return root, model_dir, train(settings(model_dir, text_file, root / "run", *UPCYCLED))
 
@@ -73,6 +77,9 @@ def test_the_export_needs_nothing_but_the_checkpoint(case, request, tmp_path, ca
         shutil.move(moved, model_dir)
     assert sorted(after) == sorted(before) and "model.safetensors" in after and "tokenizer.json" in after
     assert [name for name in before if before[name] != after[name]] == []
+    if case == "upcycled":
+        generation = json.loads(after["generation_config.json"])
+        assert {k: generation.get(k) for k in GENERATION} == GENERATION
 
 
 def test_frozen_weights_are_saved_and_the_base_is_named_by_its_content(upcycled):

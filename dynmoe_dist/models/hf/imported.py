@@ -55,6 +55,10 @@ def build_empty(directory: Path, gguf_file: Optional[str] = None) -> nn.Module:
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Tied outside the context: inside, accelerate wraps every parameter set on a module anew (untying it)
     hf.tie_weights()
+    if gguf_file is None and (directory / "generation_config.json").is_file():  # as from_pretrained reads it
+        from transformers import GenerationConfig
+
+        hf.generation_config = GenerationConfig.from_pretrained(str(directory), local_files_only=True)
     return hf.train()
 
 
