@@ -25,7 +25,9 @@ from dynmoe_dist.data.sources import BUILTIN_CORPORA
 
 # The upload skips .gitignore'd files unless this Ray variable is "1" (ray._private.ray_constants).
 IGNORE_GITIGNORE_ENV = "RAY_RUNTIME_ENV_IGNORE_GITIGNORE"
-QUIET = logging.getLogger(__name__)  # Ray's matchers log each ignore file they read at INFO
+# Ray's matchers log each ignore file they read at INFO (the upload itself says so once): not here.
+QUIET = logging.getLogger(__name__)
+QUIET.setLevel(logging.WARNING)
 
 
 def named_paths(config: RunConfig, config_file: Optional[str]) -> List[Tuple[str, str]]:

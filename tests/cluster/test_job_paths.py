@@ -3,6 +3,7 @@ dir less the runtime env's excludes and .gitignore / .rayignore, by Ray's own ma
 workers would not find is one line saying what to do, instead of a failure a minute into the job. No Ray
 cluster needed."""
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -73,7 +74,7 @@ def check_args(model_path: str, storage: Path):
     return common + [arg for setting in settings for arg in ("--set", setting)]
 
 
-def test_the_check_names_an_unshipped_model_and_where_the_output_goes(tree, monkeypatch, capsys):
+def test_the_check_names_an_unshipped_model_and_where_the_output_goes(tree, monkeypatch, capsys, caplog):
     save_llama(tree / "runs" / "model", save_tokenizer(tree / "runs" / "model"))
     (tree / "corpus.txt").write_text("\n".join(corpus_lines()) + "\n")
     monkeypatch.chdir(tree)  # relative paths are read from the directory the command runs in, as the script's
@@ -84,6 +85,8 @@ def test_the_check_names_an_unshipped_model_and_where_the_output_goes(tree, monk
     assert out == "" and err.count("\n") == 1, err
     assert err.startswith("dynmoe-train: error: model.path ('runs/model') is not shipped with the job: runs/model/")
     assert err.strip().endswith(f"(shared storage; with --local this machine's): {fix}"), err
-    assert submit.main(check_args(str(tree / "runs" / "model"), tree / "storage")) == 0
+    with caplog.at_level(logging.INFO):
+        assert submit.main(check_args(str(tree / "runs" / "model"), tree / "storage")) == 0
+    assert not [r for r in caplog.records if "Ignoring upload" in r.getMessage()]  # Ray's line per ignore file
     out, err = capsys.readouterr()
     assert out.strip() == f"dynmoe ray: the run's files go to {tree / 'storage' / 'my_run'} (--storage-path/--name)"
