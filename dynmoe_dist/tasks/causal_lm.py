@@ -21,13 +21,14 @@ exp(test_loss), test_loss being per token.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..data import CorpusSpec, TokenWindows, open_corpus
+from ..data import CorpusSpec, TokenCorpus, TokenWindows, open_corpus
 from ..data.sources import BUILTIN_CORPORA, describe_inputs, register_builtin
 from ..paths import missing
 from .base import Batch, ModelNeeds, Task, register, split_indices
@@ -45,17 +46,33 @@ def next_token_terms(logits_BLV: Tensor, targets_BL: Tensor) -> Tuple[Tensor, Te
     return loss_sum, correct
 
 
-class CausalLMTask(Task):
-    """Train and held-out windows read from the token cache; ``splits`` stays empty (nothing in memory)."""
+Split = Tuple[TokenCorpus, np.ndarray, str]
+"""A split's corpus, its documents in order and the option it came from (for messages)."""
 
-    name = "causal-lm"
+
+class TokenCacheTask(Task):
+    """A language-model task whose sequences are read from the token cache per batch: ``splits`` stays empty
+    (nothing in memory); its model is the tokenizer's causal LM and its score the held-out perplexity."""
+
     scores_perplexity = True
 
-    def __init__(self, windows: Dict[str, TokenWindows], vocab_size: int, seq_len: int, tokenizer_path: str):
+    def __init__(self, vocab_size: int, seq_len: int, tokenizer_path: str):
         super().__init__({}, vocab_size)
-        self.windows = windows
         self.seq_len = seq_len
         self.tokenizer_path = tokenizer_path
+
+    def model_needs(self) -> ModelNeeds:
+        return ModelNeeds("causal-lm", self.num_classes, max_len=self.seq_len, tokenizer=self.tokenizer_path)
+
+
+class CausalLMTask(TokenCacheTask):
+    """Train and held-out windows of the token stream."""
+
+    name = "causal-lm"
+
+    def __init__(self, windows: Dict[str, TokenWindows], vocab_size: int, seq_len: int, tokenizer_path: str):
+        super().__init__(vocab_size, seq_len, tokenizer_path)
+        self.windows = windows
 
     def size(self, split: str) -> int:
         return len(self.windows[split])
@@ -76,9 +93,6 @@ class CausalLMTask(Task):
         size); dividing by seq_len here makes that the token accuracy in both places."""
         loss_sum, correct = next_token_terms(logits_BLV, targets_BL)
         return loss_sum, correct / self.seq_len
-
-    def model_needs(self) -> ModelNeeds:
-        return ModelNeeds("causal-lm", self.num_classes, max_len=self.seq_len, tokenizer=self.tokenizer_path)
 
 
 # -- text in -------------------------------------------------------------------------------------------
@@ -117,27 +131,37 @@ def checked(windows: TokenWindows, seq_len: int, where: str) -> TokenWindows:
     return windows
 
 
-def split_windows(task_config) -> Tuple[Dict[str, TokenWindows], int]:
-    """({'train': ..., 'test': ...}, vocabulary size). The documents used are a seeded subset
-    (task.num_samples), split by whole documents unless task.test_path names a held-out corpus."""
-    t, seq_len = task_config, task_config.max_len
-    corpus = open_corpus(corpus_spec(t, t.path, "task.path"))
+def document_splits(task_config, spec_of: Callable[..., CorpusSpec], noun: str) -> Tuple[Dict[str, Split], int]:
+    """({'train': (corpus, document ids, where), 'test': ...}, vocabulary size): a seeded subset (task.num_samples)
+    of the documents (``noun``), split into whole ones unless task.test_path names a held-out corpus.
+    ``spec_of(task_config, path, option)`` says how a path is tokenised into the cache."""
+    t = task_config
+    corpus = open_corpus(spec_of(t, t.path, "task.path"))
     keep_D = subset_indices(corpus.num_docs, t.num_samples, t.seed).numpy()
     if t.test_path:
-        held_out = open_corpus(corpus_spec(t, t.test_path, "task.test_path"))
+        held_out = open_corpus(spec_of(t, t.test_path, "task.test_path"))
         test_D = subset_indices(held_out.num_docs, t.num_samples, t.seed).numpy()
-        train, test = corpus.windows(keep_D, seq_len), held_out.windows(test_D, seq_len)
-    else:
-        if len(keep_D) < 2:
-            raise ValueError(f"task.path ({t.path!r}) has {len(keep_D)} document; a held-out split needs >= 2")
-        train_idx, test_idx = split_indices(len(keep_D), t.test_fraction, t.seed)
-        train = corpus.windows(keep_D[train_idx.numpy()], seq_len)
-        test = corpus.windows(keep_D[test_idx.numpy()], seq_len)
-    windows = {
-        "train": checked(train, seq_len, "task.path (train split)"),
-        "test": checked(test, seq_len, "held-out split"),
+        splits = {"train": (corpus, keep_D, "task.path"), "test": (held_out, test_D, "task.test_path")}
+        return splits, corpus.vocab_size
+    if len(keep_D) < 2:
+        raise ValueError(f"task.path ({t.path!r}) has {len(keep_D)} {noun}; a held-out split needs >= 2")
+    train_idx, test_idx = split_indices(len(keep_D), t.test_fraction, t.seed)
+    splits = {
+        "train": (corpus, keep_D[train_idx.numpy()], "task.path (train split)"),
+        "test": (corpus, keep_D[test_idx.numpy()], "task.path (held-out split)"),
     }
-    return windows, corpus.vocab_size
+    return splits, corpus.vocab_size
+
+
+def split_windows(task_config) -> Tuple[Dict[str, TokenWindows], int]:
+    """({'train': ..., 'test': ...}, vocabulary size): document_splits' documents cut into windows."""
+    splits, vocab_size = document_splits(task_config, corpus_spec, "document")
+    seq_len = task_config.max_len
+    windows = {
+        split: checked(corpus.windows(doc_ids_D, seq_len), seq_len, where)
+        for split, (corpus, doc_ids_D, where) in splits.items()
+    }
+    return windows, vocab_size
 
 
 def build_causal_lm(task_config) -> CausalLMTask:
@@ -150,23 +174,27 @@ def build_causal_lm(task_config) -> CausalLMTask:
     return CausalLMTask(windows, vocab_size, task_config.max_len, task_config.tokenizer)
 
 
-def validate(run_config) -> None:
-    """What can be checked without loading anything: an HF model is named, and named filesystem paths
-    exist (their content is checked when the task and the model are built). An empty task.tokenizer
-    becomes model.path here: the task is built from the task section alone, before the model."""
+def check_hf_inputs(run_config, task: str, path_forms: str, builtin=()) -> None:
+    """What a task on a transformers model can check without loading anything: an HF model is named, and
+    named filesystem paths exist (their content is checked when the task and the model are built). An empty
+    task.tokenizer becomes model.path here: the task is built from the task section alone, before the model."""
     m, t = run_config.model, run_config.task
     if m.source != "hf":
-        raise ValueError(f"task 'causal-lm' needs model.source = 'hf' (got {m.source!r}) and model.path")
+        raise ValueError(f"task {task!r} needs model.source = 'hf' (got {m.source!r}) and model.path")
     if not t.tokenizer:
         t.tokenizer = m.path
     for option, value in (("model.path", m.path), ("task.tokenizer", t.tokenizer)):
         if not value.startswith("package:") and not Path(value).expanduser().exists():
             raise missing(option, value)
     if not t.path:
-        raise ValueError(f"task.path ('') must name {describe_inputs()} for task 'causal-lm'")
+        raise ValueError(f"task.path ('') must name {path_forms} for task {task!r}")
     for option, value in (("task.path", t.path), ("task.test_path", t.test_path)):
-        if value and value not in BUILTIN_CORPORA and not Path(value).expanduser().exists():
+        if value and value not in builtin and not Path(value).expanduser().exists():
             raise missing(option, value)
+
+
+def validate(run_config) -> None:
+    check_hf_inputs(run_config, "causal-lm", describe_inputs(), BUILTIN_CORPORA)
 
 
 @register(

@@ -21,20 +21,21 @@ per assistant token. 'accuracy' is the mean over sequences of the share of assis
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Dict, Tuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from ..data import CorpusSpec, open_corpus
+from ..data import CorpusSpec, TokenCorpus
 from ..data.cache import say
 from ..data.packed import IGNORE, PackedExamples
 from ..paths import missing
-from .base import Batch, ModelNeeds, Task, register, split_indices
-from .common import subset_indices
+from . import causal_lm
+from .base import Batch, register
+from .causal_lm import TokenCacheTask, check_hf_inputs, document_splits, next_token_terms
 
 PATH_FORMS = (
     "a .jsonl / .parquet / .arrow file or a directory of them: per record 'messages' "
@@ -42,17 +43,14 @@ PATH_FORMS = (
 )
 
 
-class ChatTask(Task):
-    """Train and held-out packed sequences read from the token cache; ``splits`` stays empty."""
+class ChatTask(TokenCacheTask):
+    """Train and held-out packed sequences of conversations."""
 
     name = "chat"
-    scores_perplexity = True
 
     def __init__(self, packed: Dict[str, PackedExamples], vocab_size: int, seq_len: int, tokenizer_path: str):
-        super().__init__({}, vocab_size)
+        super().__init__(vocab_size, seq_len, tokenizer_path)
         self.packed = packed
-        self.seq_len = seq_len
-        self.tokenizer_path = tokenizer_path
 
     def size(self, split: str) -> int:
         return len(self.packed[split])
@@ -66,37 +64,21 @@ class ChatTask(Task):
         return int(self.packed[split].targets_S[indices.numpy()].sum())
 
     def loss_terms(self, logits_BLV: Tensor, targets_BL: Tensor) -> Tuple[Tensor, Tensor]:
-        """(summed cross-entropy over the assistant's tokens, per sequence the share of them predicted right)."""
-        dtype = torch.promote_types(logits_BLV.dtype, torch.float32)
-        loss_sum = F.cross_entropy(
-            logits_BLV.reshape(-1, logits_BLV.shape[-1]).to(dtype),
-            targets_BL.reshape(-1),
-            ignore_index=IGNORE,
-            reduction="sum",
-        )
+        """(summed cross-entropy over the assistant's tokens, per sequence the share of them predicted right):
+        the IGNORE targets count in neither."""
+        loss_sum, _ = next_token_terms(logits_BLV, targets_BL)
         scored_BL = targets_BL != IGNORE
-        right_B = ((logits_BLV.detach().argmax(-1) == targets_BL) & scored_BL).sum(-1).to(dtype)
-        correct = (right_B / scored_BL.sum(-1).clamp(min=1).to(dtype)).sum()
-        return loss_sum, correct
-
-    def model_needs(self) -> ModelNeeds:
-        return ModelNeeds("causal-lm", self.num_classes, max_len=self.seq_len, tokenizer=self.tokenizer_path)
+        right_B = ((logits_BLV.detach().argmax(-1) == targets_BL) & scored_BL).sum(-1).to(loss_sum.dtype)
+        return loss_sum, (right_B / scored_BL.sum(-1).clamp(min=1).to(loss_sum.dtype)).sum()
 
 
 def corpus_spec(task_config, path: str, field: str) -> CorpusSpec:
-    return CorpusSpec(
-        path=path,
-        tokenizer=task_config.tokenizer,
-        max_len=task_config.max_len,
-        cache_dir=task_config.cache_dir,
-        num_proc=task_config.prepare_workers,
-        field=field,
-        format="chat",
-        chat_template=task_config.chat_template,
-    )
+    """causal-lm's, rendered as conversations (data/chat.py) with task.chat_template or the tokenizer's own."""
+    spec = causal_lm.corpus_spec(task_config, path, field)
+    return replace(spec, format="chat", chat_template=task_config.chat_template)
 
 
-def packed_split(corpus, doc_ids_D: np.ndarray, seq_len: int, where: str) -> PackedExamples:
+def packed_split(corpus: TokenCorpus, doc_ids_D: np.ndarray, where: str, seq_len: int) -> PackedExamples:
     """The conversations doc_ids_D packed; one line on what was dropped; ValueError when nothing is left."""
     packed = corpus.packed(doc_ids_D, seq_len)
     if packed.dropped:
@@ -114,45 +96,17 @@ def packed_split(corpus, doc_ids_D: np.ndarray, seq_len: int, where: str) -> Pac
 
 
 def split_packed(task_config) -> Tuple[Dict[str, PackedExamples], int]:
-    """({'train': ..., 'test': ...}, vocabulary size): a seeded subset (task.num_samples) of the conversations,
-    split into whole conversations unless task.test_path names held-out ones."""
-    t, seq_len = task_config, task_config.max_len
-    corpus = open_corpus(corpus_spec(t, t.path, "task.path"))
-    keep_D = subset_indices(corpus.num_docs, t.num_samples, t.seed).numpy()
-    if t.test_path:
-        held_out = open_corpus(corpus_spec(t, t.test_path, "task.test_path"))
-        test_D = subset_indices(held_out.num_docs, t.num_samples, t.seed).numpy()
-        train = packed_split(corpus, keep_D, seq_len, "task.path")
-        return {"train": train, "test": packed_split(held_out, test_D, seq_len, "task.test_path")}, corpus.vocab_size
-    if len(keep_D) < 2:
-        raise ValueError(f"task.path ({t.path!r}) has {len(keep_D)} conversation; a held-out split needs >= 2")
-    train_idx, test_idx = split_indices(len(keep_D), t.test_fraction, t.seed)
-    packed = {
-        "train": packed_split(corpus, keep_D[train_idx.numpy()], seq_len, "task.path (train split)"),
-        "test": packed_split(corpus, keep_D[test_idx.numpy()], seq_len, "task.path (held-out split)"),
-    }
-    return packed, corpus.vocab_size
+    """({'train': ..., 'test': ...}, vocabulary size): causal-lm's split of whole conversations, each packed."""
+    splits, vocab_size = document_splits(task_config, corpus_spec, "conversation")
+    seq_len = task_config.max_len
+    return {split: packed_split(*parts, seq_len) for split, parts in splits.items()}, vocab_size
 
 
 def validate(run_config) -> None:
-    """A transformers model is named and the named files exist (their content is read when the task is
-    built). An empty task.tokenizer becomes model.path here, as for causal-lm."""
-    m, t = run_config.model, run_config.task
-    if m.source != "hf":
-        raise ValueError(f"task 'chat' needs model.source = 'hf' (got {m.source!r}) and model.path")
-    if not t.tokenizer:
-        t.tokenizer = m.path
-    if not t.path:
-        raise ValueError(f"task.path ('') must name {PATH_FORMS} for task 'chat'")
-    for option, value in (
-        ("model.path", m.path),
-        ("task.tokenizer", t.tokenizer),
-        ("task.path", t.path),
-        ("task.test_path", t.test_path),
-        ("task.chat_template", t.chat_template),
-    ):
-        if value and not value.startswith("package:") and not Path(value).expanduser().exists():
-            raise missing(option, value)
+    check_hf_inputs(run_config, "chat", PATH_FORMS)
+    chat_template = run_config.task.chat_template
+    if chat_template and not Path(chat_template).expanduser().exists():
+        raise missing("task.chat_template", chat_template)
 
 
 @register(

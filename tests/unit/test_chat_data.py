@@ -91,7 +91,7 @@ class Task:
 
     def __init__(self, path, tokenizer, cache_dir, max_len=16, chat_template=""):
         self.tokenizer, self.max_len, self.cache_dir = str(tokenizer), max_len, str(cache_dir)
-        self.prepare_workers, self.chat_template, self.path = 1, chat_template, str(path)
+        self.prepare_workers, self.chat_template, self.path, self.text_field = 1, chat_template, str(path), "text"
 
 
 def open_chat(path, tokenizer, cache_dir, **kw):
