@@ -43,7 +43,7 @@ from .train.checkpoint import (
     saved_expert_counts,
 )
 from .train.model_files import checked_definition, tokenizer_path
-from .train.telemetry import WaitBar
+from .train.progress import WaitBar
 
 
 def read_checkpoint(checkpoint: Path):

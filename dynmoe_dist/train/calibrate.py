@@ -27,7 +27,7 @@ from ..moe.layer import MoELayer, TopAnyRouter
 from ..moe.routing import cosine_scores, native
 from ..parallel.groups import ParallelGroups, sum_over_ranks
 from .parts import TrainParts
-from .telemetry import WaitBar
+from .progress import WaitBar
 
 
 @dataclass(frozen=True)

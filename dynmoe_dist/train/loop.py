@@ -27,9 +27,9 @@ from .data import BatchSchedule, eval_ranges, shard
 from .model_files import ModelFiles
 from .optim import set_lr
 from .parts import DTYPES, TrainParts, build_parts
+from .progress import WaitBar
 from .recorder import K_BINS, Recorders, health
 from .step import MicroBatch, StepTotals, train_step
-from .telemetry import WaitBar
 
 # What a step record holds per MoE layer (lists in layer order; telemetry checks their lengths).
 LAYER_METRICS = (

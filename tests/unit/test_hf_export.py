@@ -168,10 +168,10 @@ def test_export_shows_a_bar_over_its_stages(trained, tmp_path, capsys, monkeypat
     import re
 
     from dynmoe_dist.export import EXPORT_STAGES
-    from dynmoe_dist.train import telemetry
+    from dynmoe_dist.train import progress
 
-    monkeypatch.setattr(telemetry, "LOG_FILE_REDRAW_S", 0.0)  # pytest's stderr is no terminal: draw every advance
-    monkeypatch.setattr(telemetry, "WAIT_SHOWN_AFTER_S", 0.0)
+    monkeypatch.setattr(progress, "LOG_FILE_REDRAW_S", 0.0)  # pytest's stderr is no terminal: draw every advance
+    monkeypatch.setattr(progress, "WAIT_SHOWN_AFTER_S", 0.0)
     export(trained[2], tmp_path / "exported")
     lines = [line for line in re.split(r"[\r\n]", capsys.readouterr().err) if line.startswith("exporting step_")]
     drawn = [int(n) for line in lines for n in re.findall(rf"(\d+)/{EXPORT_STAGES}\b", line)]

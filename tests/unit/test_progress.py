@@ -13,15 +13,15 @@ import pytest  # noqa: E402
 from cli_runs import tiny_cli_args  # noqa: E402
 from hf_tiny import corpus_lines, save_moe_checkpoint  # noqa: E402
 
-from dynmoe_dist.train import telemetry  # noqa: E402
+from dynmoe_dist.train import progress  # noqa: E402
 
 TINY = tiny_cli_args(120, 6, "adaptive.period_steps=3")
 
 
 @pytest.fixture
 def every_redraw(monkeypatch):
-    monkeypatch.setattr(telemetry, "LOG_FILE_REDRAW_S", 0.0)
-    monkeypatch.setattr(telemetry, "WAIT_SHOWN_AFTER_S", 0.0)
+    monkeypatch.setattr(progress, "LOG_FILE_REDRAW_S", 0.0)
+    monkeypatch.setattr(progress, "WAIT_SHOWN_AFTER_S", 0.0)
 
 
 def counts_shown(err: str, description: str, total: int):
@@ -37,11 +37,11 @@ def progress_on(args):
 
 
 def test_wait_bar_advances_and_is_silent_when_disabled(capsys, every_redraw):
-    with telemetry.WaitBar("scoring", 3, "batch") as bar:
+    with progress.WaitBar("scoring", 3, "batch") as bar:
         for _ in range(3):
             bar.advance()
     assert counts_shown(capsys.readouterr().err, "scoring", 3) == [1, 2, 3]
-    with telemetry.WaitBar("scoring", 3, "batch", enabled=False) as bar:
+    with progress.WaitBar("scoring", 3, "batch", enabled=False) as bar:
         bar.advance()
     assert capsys.readouterr() == ("", "")
 

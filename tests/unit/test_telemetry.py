@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from dynmoe_dist.train import report
+from dynmoe_dist.train.progress import ProgressBar
 from dynmoe_dist.train.report import bin_columns, column_edges, draw_report, latest_attempt, report_series, smooth
 from dynmoe_dist.train.telemetry import (
     METRICS_FILE,
     MetricsWriter,
-    ProgressBar,
     Telemetry,
     TensorBoardWriter,
     describe_event,
@@ -264,7 +264,7 @@ def test_missing_tensorboard_names_the_report_extra(tmp_path, monkeypatch):
 
 def test_disabled_progress_bar_and_other_ranks_print_nothing(tmp_path, capsys):
     bar = ProgressBar(10, enabled=False)
-    bar.update(HAND_MADE[0])
+    bar.update(1, "loss 2.000")
     bar.write("hello")
     bar.close()
     with Telemetry(tmp_path / "rank1", total_steps=3, rank0=False) as telemetry:
