@@ -326,7 +326,7 @@ def train_recorded(trainer, steps):
     adaptive = adaptive_controller(trainer, CollectiveCoordinator(trainer.groups))
     losses, counts, events = [], [], []
     for _ in range(steps):
-        record, new_events = step_once(trainer, adaptive)
+        record, new_events = step_once(trainer, adaptive, [])
         losses.append(record["loss"])
         counts.append(record["num_experts"])
         events += changes(new_events)  # removals and additions (moves depend on the ep size)

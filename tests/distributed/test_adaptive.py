@@ -44,7 +44,7 @@ def adaptive_run(ep_size):
     trainer, adaptive = _trainer(ep_size)
     losses, experts, events = [], [], []
     for _ in range(STEPS):
-        record, new_events = step_once(trainer, adaptive)
+        record, new_events = step_once(trainer, adaptive, [])
         losses.append(record["loss"])
         experts.append(record["num_experts"])
         events += new_events

@@ -43,7 +43,7 @@ def partial_run(out_dir):
     trainer = tweaked_trainer(_config(out_dir))
     adaptive = adaptive_controller(trainer, CollectiveCoordinator(trainer.groups))
     for _ in range(SAVE_AT):
-        step_once(trainer, adaptive)
+        step_once(trainer, adaptive, [])
     assert trainer.recorders[0].window is not None, "the checkpoint must fall inside a window"
     return str(trainer.checkpoint_manager(adaptive).save(trainer.step)), [
         layer.num_experts for layer in trainer.moe_layers

@@ -58,7 +58,7 @@ def adaptive_run(dense, experts, ep_size, extra=()):
     trainer, adaptive = _trainer(_config(dense, experts, ep_size, extra=extra))
     losses, counts, events = [], [], []
     for _ in range(STEPS):
-        record, new = step_once(trainer, adaptive)
+        record, new = step_once(trainer, adaptive, [])
         losses.append(record["loss"])
         counts.append(record["num_experts"])
         events += [e for e in new if e["kind"] == "event" and (e["removed"] or e["added"] or e["replicas"])]

@@ -50,7 +50,7 @@ def train(case, out_dir, ep_size, save_at=None, resume=""):
         checkpoints.resume(resume)
     losses, mean_k, saved = {}, {}, None
     while trainer.step < STEPS:
-        record, _ = step_once(trainer, adaptive)
+        record, _ = step_once(trainer, adaptive, [])
         losses[record["step"]], mean_k[record["step"]] = record["loss"], record["mean_k"]
         if trainer.step == save_at:
             saved = str(checkpoints.save(trainer.step))
