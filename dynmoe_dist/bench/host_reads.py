@@ -30,11 +30,9 @@ def _source_roots() -> Tuple[str, ...]:
     """Folders of dynmoe_dist, dynmoe_dist.kernels and dynmoe_dist.cluster (each ends with a separator,
     so a sibling folder such as tests/ never matches)."""
     roots = {Path(dynmoe_dist.__file__).resolve().parent}
-    for sub in ("kernels", "cluster"):
+    for sub in ("kernels", "cluster"):  # a package's folders: kernels/ has no __init__.py, hence no __file__
         module = sys.modules.get(f"dynmoe_dist.{sub}")
-        path = getattr(module, "__file__", None) if module is not None else None
-        if path:
-            roots.add(Path(path).resolve().parent)
+        roots.update(Path(folder).resolve() for folder in getattr(module, "__path__", []))
     return tuple(str(root) + "/" for root in roots)
 
 
