@@ -14,12 +14,15 @@ gradient, after the optimizer's step.
 What each rule moves:
 - budget (top-any): every threshold G_e of the layer by one common shift, a damped Newton step on the mean k.
   The step's mean k is k(G) = sum_e P(cos_e > G_e); one common shift s changes it by about -S s, where S is
-  the density of token-expert cosines at their thresholds, measured in the same step as the pairs within
-  +-BAND of them over 2 BAND tokens. The shift is DAMPING (k - target) / S, at most MAX_SHIFT either way:
-  a measured slope makes the rule converge at the same pace whatever the dimension, the expert count or
-  how peaked the cosines are (a fixed rate is too slow at one scale and oscillates at another), and the
-  damping (a half step) keeps it stable when the slope is misjudged by up to four times and averages the
-  batch's sampling noise. k is the experts a token runs (its top-1 fallback included): the compute.
+  the density of token-expert cosines at their thresholds, measured as the pairs within +-BAND of them over
+  2 BAND tokens and averaged over the steps before (SLOPE_MEMORY; the average is the 'balance' checkpoint
+  part). The shift is DAMPING (k - target) / S, at most MAX_SHIFT either way: a measured slope makes the
+  rule converge at the same pace whatever the dimension, the expert count or how peaked the cosines are (a
+  fixed rate is too slow at one scale and oscillates at another), and the damping (a half step) keeps it
+  stable when the slope is misjudged by up to four times and averages the batch's sampling noise. Before
+  the shift, the optimizer's common move of the layer's thresholds that step is taken back: the budget owns
+  their level, the gradient their differences. k is the experts a token runs (its top-1 fallback
+  included): the compute.
 - balance 'bias': per expert, rate * sign(mean load - load_e), re-centred to mean zero (torchtitan and
   Megatron re-centre the same way; counts summed over all ranks). A top-k router adds it to its
   ``choice_bias``, a native DeepSeek-V3 router to its ``e_score_correction_bias`` (the checkpoint's,
@@ -29,11 +32,11 @@ What each rule moves:
 
 Why the thresholds G themselves and not an offset buffer beside them: with the straight-through gate a
 threshold's value only decides which pairs are chosen (the forward is 0/1; its gradient flows through the
-chosen pairs whatever its value), so G is already top-any's choice-only bias, and an offset b would leave
-the dynamics unchanged (gradient at G + b, the same effective threshold). Moving G keeps one threshold per
-expert everywhere it is read: the dense checkpoint saves it (resume is exact with no second copy), a
-converted model's calibration sets it, an export writes it, adaptive events slice it. Routers are outside
-FSDP (parallel/fsdp.py), so every rank holds the whole tensor and applies the same move.
+chosen pairs, scaled only by the sigmoid's slope there), so G is already top-any's choice-only bias, and an
+offset b would leave the dynamics unchanged (gradient at G + b, the same effective threshold). Moving G
+keeps one threshold per expert everywhere it is read: the dense checkpoint saves it (no second copy to keep
+in step), a converted model's calibration sets it, an export writes it, adaptive events slice it. Routers
+are outside FSDP (parallel/fsdp.py), so every rank holds the whole tensor and applies the same move.
 """
 
 from __future__ import annotations
