@@ -68,12 +68,15 @@ class StopForwarding:
         """The first stop signal (0: none came)."""
         self.hard = False
         """Whether the workers were killed (a second signal, or one before all were up)."""
+        self.early = False
+        """Whether they were killed because the signal came before all were up."""
 
     def __call__(self, signum: int, frame: object) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
         pids = self.worker_pids()
         if self.signum or len(pids) < self.num_workers:
+            self.early = not self.signum
             self.signum, self.hard = self.signum or signum, True
             raise SignalException(f"stopped by signal {signum}", sigval=signal.SIGKILL)
         self.signum = signum

@@ -101,18 +101,19 @@ def outcome(failures: Dict[int, int], errors: Dict[int, str]) -> int:
 def stopped_outcome(stop: StopForwarding, stopped: Optional[Dict], out_dir: str, command: str) -> int:
     """The one line of a job stopped by a signal, and its exit status (130 / 143). ``stopped``: what rank
     0 left after its checkpoint (None: the ranks were killed, and the newest complete checkpoint counts)."""
-    if stopped is None:
-        found = complete_checkpoints(out_dir)
-        name = signal.Signals(stop.signum).name
-        where = f"the newest checkpoint: {found[-1]}; resume: {command}" if found else "no checkpoint to resume from"
-        print(
-            f"dynmoe-train: killed by a second {name} (or one during start-up), no checkpoint written; {where}",
-            file=sys.stderr,
-            flush=True,
-        )
-    else:
-        print(cli.stop_line({**stopped, "signal": stop.signum}, command), file=sys.stderr, flush=True)
+    line = (
+        cli.stop_line({**stopped, "signal": stop.signum}, command) if stopped else killed_line(stop, out_dir, command)
+    )
+    print(line, file=sys.stderr, flush=True)
     return stop_exit_status(stop.signum)
+
+
+def killed_line(stop: StopForwarding, out_dir: str, command: str) -> str:
+    name = signal.Signals(stop.signum).name
+    how = f"by {name} during start-up" if stop.early else f"at once by a second {name}, without a checkpoint"
+    found = complete_checkpoints(out_dir)
+    where = f"newest checkpoint: {found[-1]}; resume: {command}" if found else "no checkpoint to resume from"
+    return f"dynmoe-train: stopped {how}; {where}"
 
 
 def launch(nproc: int, train_args: List[str], out_dir: str) -> int:

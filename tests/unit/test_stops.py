@@ -83,7 +83,7 @@ def test_launcher_forwards_the_first_signal_and_kills_on_the_second(monkeypatch)
     with pytest.raises(SignalException) as raised:
         stop(signal.SIGINT, None)
     assert raised.value.sigval == signal.SIGKILL  # the agent kills the workers: no traceback from them
-    assert stop.hard and stop.signum == signal.SIGTERM and len(sent) == 2
+    assert stop.hard and not stop.early and stop.signum == signal.SIGTERM and len(sent) == 2
 
 
 def test_launcher_kills_at_once_while_a_worker_is_not_up(monkeypatch):
@@ -93,7 +93,7 @@ def test_launcher_kills_at_once_while_a_worker_is_not_up(monkeypatch):
     stop = elastic.StopForwarding(lambda: [11], num_workers=2)
     with pytest.raises(SignalException):
         stop(signal.SIGINT, None)
-    assert stop.hard and stop.signum == signal.SIGINT
+    assert stop.hard and stop.early and stop.signum == signal.SIGINT
 
 
 # -- the lines ----------------------------------------------------------------------------------------
@@ -248,3 +248,19 @@ def test_a_single_process_says_the_line_itself_and_a_rank_under_the_launcher_lea
     assert cli.report_stop(stopped, []) == 0  # the launcher exits 143; a rank that did would be restarted
     assert cli.read_stop(tmp_path) == {"step": 5, "signal": signal.SIGTERM, "checkpoint": "c/step_000005"}
     assert capsys.readouterr().err == ""
+
+
+def test_the_launchers_line_after_killing_the_ranks_names_the_newest_checkpoint(tmp_path):
+    from dynmoe_dist.train.launch import killed_line
+
+    stop = elastic.StopForwarding(lambda: [], num_workers=2)
+    stop.signum, stop.hard = signal.SIGINT, True
+    assert killed_line(stop, str(tmp_path), "CMD") == (
+        "dynmoe-train: stopped at once by a second SIGINT, without a checkpoint; no checkpoint to resume from"
+    )
+    _complete(tmp_path / "checkpoints", 30)
+    stop.early = True
+    assert killed_line(stop, str(tmp_path), "CMD") == (
+        f"dynmoe-train: stopped by SIGINT during start-up; newest checkpoint: {tmp_path}/checkpoints/step_000030; "
+        "resume: CMD"
+    )
