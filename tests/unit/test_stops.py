@@ -264,3 +264,36 @@ def test_the_launchers_line_after_killing_the_ranks_names_the_newest_checkpoint(
         f"dynmoe-train: stopped by SIGINT during start-up; newest checkpoint: {tmp_path}/checkpoints/step_000030; "
         "resume: CMD"
     )
+
+
+# -- a run, in this process ---------------------------------------------------------------------------
+def _tiny_config(out_dir, *extra):
+    from cli_runs import tiny_cli_args
+
+    args = tiny_cli_args(120, 6, f"output.out_dir='{out_dir}'", "adaptive.enabled=false", *extra)
+    return load_config(None, args[1::2])
+
+
+def test_a_checkpoint_due_by_time_is_written_by_every_step_and_retention_keeps_two(tmp_path):
+    from dynmoe_dist.train.run import run
+
+    final = run(_tiny_config(tmp_path, "output.checkpoint_minutes=1e-9", "output.checkpoint_every=0"))
+    assert final["kind"] == "final" and final["checkpoint"] == str(tmp_path / "checkpoints" / "step_000006")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000005", "step_000006"]
+
+
+def test_a_stop_asked_before_the_first_step_ends_the_run_after_it_with_a_checkpoint(tmp_path):
+    from dynmoe_dist.train.run import run
+
+    signals = control.StopSignals()
+    signals.signum = signal.SIGINT  # as the handler sets it
+    stopped = run(_tiny_config(tmp_path), signals=signals)
+    assert stopped == {
+        "kind": "stopped",
+        "step": 1,
+        "signal": signal.SIGINT,
+        "checkpoint": str(tmp_path / "checkpoints" / "step_000001"),
+        "rank0": True,
+    }
+    kinds = [r["kind"] for r in read_metrics(tmp_path / "metrics.jsonl")]
+    assert kinds == ["step"]  # the stop's step is logged; no eval, no final
