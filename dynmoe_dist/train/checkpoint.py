@@ -21,13 +21,14 @@ pickled metadata through an allowlist (``SafeReader``): no arbitrary pickle is e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Protocol, Tuple, Union, runtime_checkable
 
-from ..config import DERIVED_MOE_KEYS, RunConfig, from_dict
+from ..config import DERIVED_MOE_KEYS, SECTIONS, RunConfig, from_dict
 from ..parallel.groups import ParallelGroups, barrier
 from .checkpoint_parts import atomic_save, dense_directory, load_file
 from .dense_state import CheckpointError, read_dense_params
@@ -256,12 +257,20 @@ def read_checkpoint_experts(checkpoint: Path) -> Dict[str, Dict]:
     return experts
 
 
+def _unwritten(section: str, key: str) -> Any:
+    """What a checkpoint written before option ``section.key`` existed ran with: its declared default (a
+    run that leaves it there resumes such a checkpoint; one that sets it is told the value differs)."""
+    field = next((f for f in dataclasses.fields(SECTIONS[section]) if f.name == key), None)
+    return None if field is None or field.default is dataclasses.MISSING else field.default
+
+
 def check_architecture(saved: Dict, config: RunConfig, path: Path, model_by_content: Tuple[str, ...] = ()) -> None:
     """The sections that decide the model's shape must match the run's (the task's data-defining keys; of
     [model], not the keys in ``model_by_content``, which a content hash checks instead)."""
     current = json.loads(config_json(config))
     for section in ARCHITECTURE_SECTIONS:
-        differing = [k for k in current[section] if current[section][k] != saved.get(section, {}).get(k)]
+        written = saved.get(section, {})
+        differing = [k for k in current[section] if current[section][k] != written.get(k, _unwritten(section, k))]
         if section == "task":
             differing = [k for k in differing if k in TASK_ARCHITECTURE_KEYS]
         if section == "model":

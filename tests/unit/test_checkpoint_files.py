@@ -126,6 +126,27 @@ def test_architecture_mismatch_is_refused(tmp_path):
         other.checkpoint_manager().resume(str(path))
 
 
+def test_a_checkpoint_from_before_an_option_existed_resumes_at_its_default(tmp_path):
+    """meta.pt written before moe.target_k, moe.balance and moe.balance_rate existed: a run that leaves them at
+    their defaults resumes it; one that sets a budget is told the checkpoint ran without one."""
+    import json
+
+    t = _trainer(tmp_path)
+    t.train_step()
+    path = t.checkpoint_manager().save(t.step)
+    meta = torch.load(path / "meta.pt", weights_only=True)
+    config = json.loads(meta["config"])
+    for key in ("target_k", "balance", "balance_rate"):
+        del config["moe"][key]
+    meta["config"] = json.dumps(config)
+    torch.save(meta, path / "meta.pt")
+    resumed = _trainer(tmp_path)
+    resumed.checkpoint_manager().resume(str(path))
+    assert resumed.step == 1
+    with pytest.raises(CheckpointError, match=r"different \[moe\]: target_k None != 1.5"):
+        _trainer(tmp_path, "moe.target_k=1.5").checkpoint_manager().resume(str(path))
+
+
 class _NotATensor:
     """A custom class: torch.load(weights_only=True) must refuse to unpickle it."""
 
