@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional
 from ..config import RunConfig
 from ..data.fingerprint import content_digest
 from ..models.source import ModelSource
-from ..parallel.groups import ParallelGroups
+from ..parallel.groups import ParallelGroups, broadcast_object
 from .dense_state import CheckpointError
 
 MODEL_DIR = "model"
@@ -77,12 +77,12 @@ class ModelFiles:
         return {"base": base, "definition": definition_digest(target)}
 
     def load_files(self, directory: Path, entry: Dict[str, Any]) -> None:
-        """The base at model.path must be the one the checkpoint was trained from (every rank checks: the
-        same files give every rank the same answer, before any collective of the load)."""
+        """The base at model.path must be the one the checkpoint was trained from: rank 0 hashes it (the base
+        is read once, not once per rank) and every rank compares, so every rank fails alike."""
         saved = entry.get("base")
         if saved is None:
             return
-        current = self.base()
+        current = broadcast_object(self.base() if self.groups.rank == 0 else None, self.groups, "base content hash")
         if current is None or current["digest"] != saved["digest"]:
             have = current["digest"] if current else "no files"
             raise CheckpointError(
