@@ -3,8 +3,9 @@
 Every weight of a run is in its checkpoint (experts by logical id, the dense state, frozen parameters
 included: ``model.freeze`` stops their training, not their saving). What else an export needs is written
 here, by rank 0, into ``step_N/model/``: the base's config files as model.path has them (a transformers
-source's ``save_definition``) and the run's tokenizer. ``python -m dynmoe_dist.export`` builds the model from
-those files without weights and fills it from the checkpoint, so it needs nothing outside the checkpoint.
+source's ``save_definition``) and the run's tokenizer, with task.chat_template's template when set.
+``python -m dynmoe_dist.export`` builds the model from those files without weights and fills it from the
+checkpoint, so it needs nothing outside the checkpoint.
 
 A resumed run does read model.path again (it builds the model from it before the checkpoint's weights
 replace its parameters; buffers such as rotary frequencies come from its config). So the entry names the
@@ -51,6 +52,10 @@ class ModelFiles:
         self.source = source
         self.base_path = config.model.path
         self.tokenizer_path = tokenizer_path(config)
+        # The template a chat run rendered its conversations with (task.chat_template, read once at the start):
+        # saved with the tokenizer, so the export formats a conversation as the model learnt it.
+        template = config.task.chat_template
+        self.chat_template = Path(template).expanduser().read_text(encoding="utf-8") if template else None
         self.groups = groups
         self._base_digest: Optional[str] = None
 
@@ -73,7 +78,10 @@ class ModelFiles:
         self.source.save_definition(target)
         from ..data.tokenizers import load_tokenizer
 
-        load_tokenizer(self.tokenizer_path, "task.tokenizer").save_pretrained(str(target))
+        tokenizer = load_tokenizer(self.tokenizer_path, "task.tokenizer")
+        if self.chat_template is not None:
+            tokenizer.chat_template = self.chat_template
+        tokenizer.save_pretrained(str(target))
         return {"base": base, "definition": definition_digest(target)}
 
     def load_files(self, directory: Path, entry: Dict[str, Any]) -> None:

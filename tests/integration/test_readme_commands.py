@@ -291,8 +291,9 @@ def test_the_own_model_blocks_run_as_pasted(sandbox):
 @pytest.mark.timeout(900)
 def test_the_chat_block_runs_as_pasted(sandbox):
     """README's instruction-data block (the tiny pre-trained MoE, the sentiment questions, 2 ranks under
-    torchrun.sh): the start says how the conversations were packed, the end gives the held-out perplexity
-    and the export line. About 3 minutes on 2 cores, most of it pre-training the tiny MoE."""
+    torchrun.sh, the export): the start says how the conversations were packed, the end gives the held-out
+    perplexity and the export line, and the export's tokenizer renders a question with the run's template.
+    About 3 minutes on 2 cores, most of it pre-training the tiny MoE."""
     block = next(block for _, block in all_blocks() if any("chat_moe.toml" in c.text for c in block))
     done = fresh_shell(block_script(block), sandbox, timeout_s=800)
     output = done.stdout + done.stderr
@@ -302,6 +303,11 @@ def test_the_chat_block_runs_as_pasted(sandbox):
     lines = (sandbox / "runs" / "sentiment_chat.jsonl").read_text().splitlines()
     first = json.loads(lines[0])["messages"]
     assert [m["role"] for m in first] == ["user", "assistant"] and first[1]["content"] in ("positive", "negative")
+    from transformers import AutoTokenizer  # the export formats a question as the run did (its template)
+
+    exported = AutoTokenizer.from_pretrained(str(sandbox / "runs" / "chat_moe_export"))
+    prompt = exported.apply_chat_template(first[:1], tokenize=False, add_generation_prompt=True)
+    assert prompt == f"<|user|>\n{first[0]['content']}\n<|assistant|>\n"
 
 
 @pytest.mark.slow
