@@ -9,7 +9,6 @@ and train_step(), and the files a run writes), so the trainer's internals may ch
 from __future__ import annotations
 
 import importlib.util
-import json
 import warnings
 from pathlib import Path
 from typing import Dict, List, Sequence
@@ -17,6 +16,7 @@ from typing import Dict, List, Sequence
 import torch
 
 from dynmoe_dist.bench.gpu_runner import Skip
+from dynmoe_dist.train.telemetry import METRICS_FILE, read_metrics
 
 CONFIGS = {"demo": "launcher/configs/demo.toml", "quickstart": "launcher/configs/quickstart.toml"}
 REPO = Path(__file__).resolve().parents[2]
@@ -51,8 +51,8 @@ def train_on_rank(config_path: str, overrides: Sequence[str]) -> Dict:
 
 
 def _records(out_dir: Path) -> List[Dict]:
-    path = out_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    path = out_dir / METRICS_FILE
+    return read_metrics(path) if path.is_file() else []
 
 
 def run_config(name: str, world_size: int, out_root: Path, timeout_s: float, device: str = "cuda") -> Dict:

@@ -38,6 +38,7 @@ from dynmoe_dist.moe.config import MoEConfig
 from dynmoe_dist.planning.placement import Placement
 from dynmoe_dist.planning.planner import PlannerConfig, plan_layer
 from dynmoe_dist.planning.stats import WindowStats
+from dynmoe_dist.train.telemetry import METRICS_FILE, read_metrics
 
 DATA = Path(__file__).resolve().parent / "data" / "adaptive_demo_expert_load.json"
 RANKS, EXPERTS, SHARED = (64, 512, 2048), (64, 256), (0.3, 0.6)
@@ -77,7 +78,7 @@ def load_recorded(path: Path = DATA) -> Dict:
 def extract_recorded(run_dir: Path, out: Path = DATA) -> Dict:
     """Sum each layer's per-step expert_load over the steps after the run's last adaptive event
     (the expert set is fixed there) and write the small JSON the simulation reads."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir / METRICS_FILE)  # a resumed run's repeated steps counted once
     last_event = max([r["step"] for r in records if r["kind"] == "event"], default=0)
     steps = [r for r in records if r["kind"] == "step" and r["step"] > last_event]
     if not steps:
