@@ -139,3 +139,21 @@ def test_a_checkpoint_with_tied_embeddings_loads_tied(tmp_path, text_file_here):
         torch.testing.assert_close(
             parts.model.eval()(ids).logits, theirs.eval()(input_ids=ids).logits, rtol=0, atol=1e-10
         )
+
+
+def test_the_model_source_is_decided_once_per_run(tmp_path, text_file_here, monkeypatch):
+    """The config check and the builder both ask what model.path is: config.json is read as an MoE once
+    (models.source.moe_at), and the one ImportedCheckpoint the build opens is the one the source carries."""
+    from dynmoe_dist.models import source
+    from dynmoe_dist.models.hf import families
+
+    directory, vocab = save_moe_checkpoint("qwen3_moe", tmp_path / "once")
+    calls = []
+    real = families.imported_moe
+    monkeypatch.setattr(families, "imported_moe", lambda *args: calls.append(args) or real(*args))
+    source._moe_at.cache_clear()
+    config = load_config(None, run_settings(directory, text_file_here, "moe.router='top_any'"))
+    built = build_model(config.model, config.moe, ModelNeeds("causal-lm", vocab, max_len=8))
+    assert len(calls) == 1
+    assert isinstance(built, source.ImportedMoE) and built.checkpoint is not None
+    assert len(built.routings_to_calibrate()) == len(config.model.moe_layers)  # read through that reader

@@ -82,6 +82,21 @@ def test_the_export_needs_nothing_but_the_checkpoint(case, request, tmp_path, ca
         assert {k: generation.get(k) for k in GENERATION} == GENERATION
 
 
+def test_a_checkpoint_from_before_model_dir_exports_from_model_path(upcycled, tmp_path, capsys):
+    """An older checkpoint (no model/ part) builds its model from model.path, to the same files."""
+    import torch
+
+    _, _, checkpoint = upcycled
+    old = tmp_path / checkpoint.name
+    shutil.copytree(checkpoint, old)
+    shutil.rmtree(old / "model")
+    meta = read_meta(old)
+    del meta["states"]["model"]
+    torch.save(meta, old / "meta.pt")
+    got = export_files(old, tmp_path / "old", capsys)
+    assert got == export_files(checkpoint, tmp_path / "new", capsys)
+
+
 def test_frozen_weights_are_saved_and_the_base_is_named_by_its_content(upcycled):
     _, model_dir, checkpoint = upcycled
     assert "hf.model.embed_tokens.weight" in read_checkpoint_dense(checkpoint)  # frozen, saved all the same
