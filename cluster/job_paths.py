@@ -1,8 +1,8 @@
 """Will the workers of a Ray job find the files its run file names? Checked before anything is submitted.
 
 A job runs in Ray's unpacked copy of the working dir (``ray job submit --working-dir .``), on machines that
-may not be this one. A relative path (the config file, model.path, task.path, task.test_path,
-task.tokenizer, output.resume) is read from that copy, so it must be inside the working dir and uploaded:
+may not be this one. A relative path (the config file, model.path, task.path, task.test_path, task.tokenizer,
+task.chat_template, output.resume) is read from that copy, so it must be inside the working dir and uploaded:
 not left out by the runtime env's ``excludes`` (cluster/runtime_env.yaml) nor by a ``.gitignore`` or
 ``.rayignore`` on its way (Ray's own upload rules, applied here with Ray's own matchers). ``runs/`` is left
 out (it holds checkpoints), so a model trained into ``runs/`` must be named by an absolute path on
@@ -38,6 +38,7 @@ def named_paths(config: RunConfig, config_file: Optional[str]) -> List[Tuple[str
         ("task.tokenizer", config.task.tokenizer),
         ("task.path", config.task.path),
         ("task.test_path", config.task.test_path),
+        ("task.chat_template", config.task.chat_template),
         ("output.resume", "" if config.output.resume == "auto" else config.output.resume),
     ]
     return [(option, value) for option, value in named if is_file_path(value)]

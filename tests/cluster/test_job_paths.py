@@ -57,6 +57,8 @@ def test_only_file_paths_are_named():
     assert named_paths(config, "my.toml") == [("--config", "my.toml"), ("task.tokenizer", "tok")]
     config.output.resume = "runs/x/checkpoints/step_000004"
     assert named_paths(config, None)[-1] == ("output.resume", "runs/x/checkpoints/step_000004")
+    config.task.chat_template = "templates/chat.jinja"  # a chat run's template is read by the workers too
+    assert ("task.chat_template", "templates/chat.jinja") in named_paths(config, None)
 
 
 def check_args(model_path: str, storage: Path):
