@@ -73,6 +73,13 @@ MOE_FAMILIES = {
         {**DECODER, "intermediate_size": MOE_FFN, "num_local_experts": NUM_EXPERTS, **_MOE}
         | {"head_dim": 8, "sliding_window": 4, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
     ),
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        {**DECODER, "moe_intermediate_size": MOE_FFN, "n_routed_experts": NUM_EXPERTS, **_MOE}
+        | {"n_shared_experts": 1, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1}
+        | {"routed_scaling_factor": 2.5, "norm_topk_prob": True, "use_qk_norm": True},
+    ),
 }
 # family -> (config class, model class, config fields)
 FAMILIES = {
@@ -147,6 +154,7 @@ EXPERT_COUNT_KEY = {
     "olmoe": "num_experts",
     "deepseek_v3": "n_routed_experts",
     "gpt_oss": "num_local_experts",
+    "glm4_moe": "n_routed_experts",
 }
 
 

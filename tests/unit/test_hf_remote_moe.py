@@ -1,13 +1,13 @@
-"""Imported transformers MoE models (all six families) with DynMoE routing, exported as remote-code
+"""Imported transformers MoE models (every family) with DynMoE routing, exported as remote-code
 directories (format 3): plain transformers, in a process that cannot import dynmoe_dist, loads each with
 trust_remote_code=True and computes the trained model's logits (float64 1e-10, float32 1e-6) for both
 top-any combine modes, both eval k = 0 rules and the top-k / top-p baselines, with per-layer expert counts
 that differ after a removal and an addition; generate() agrees with and without the KV cache; the
 directory is refused without trust_remote_code; dynmoe_dist.hf.from_pretrained reads it back.
 
-One subprocess (tests/remote_check.py) per group of families: qwen2_moe (gated shared expert), deepseek_v3
-(shared experts, a dense first layer) and gpt_oss (clamped SwiGLU experts, the (hidden, scores) pair) run by
-default, with the top-k and top-p baselines; Mixtral, Qwen3-MoE and OLMoE are marked slow.
+One subprocess (tests/remote_check.py) for qwen2_moe (gated shared expert), deepseek_v3 (shared experts, a
+dense first layer) and gpt_oss (clamped SwiGLU experts, the (hidden, scores) pair), run by default with the
+top-k and top-p baselines; one per family for the others (Mixtral, Qwen3-MoE, OLMoE, GLM-4.5...), slow.
 """
 
 import json
@@ -37,9 +37,10 @@ from dynmoe_dist.moe.config import MoEConfig  # noqa: E402
 from dynmoe_dist.moe.layer import find_moe_layers  # noqa: E402
 from dynmoe_dist.moe.routing import top_any  # noqa: E402
 
-# The three with a block of their own by default; the three plain routed blocks are marked slow.
+# The three with a block of their own by default; the plain routed blocks and the families whose block one of
+# those three has are marked slow, each in a run of its own.
 DEFAULT = ("qwen2_moe", "deepseek_v3", "gpt_oss")
-SLOW = ("mixtral", "qwen3_moe", "olmoe")
+SLOW = ("mixtral", "qwen3_moe", "olmoe", "glm4_moe")
 FAMILIES = [*DEFAULT, *(pytest.param(f, marks=pytest.mark.slow) for f in SLOW)]
 TOL = {torch.float64: 1e-10, torch.float32: 1e-6}
 RESAVED = "qwen2_moe"  # the fine-tuner's save_pretrained round trip, on a family with stock shared modules
@@ -70,14 +71,26 @@ def default_group(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def slow_group(tmp_path_factory):
-    return run_group(tmp_path_factory.mktemp("moe_slow"), SLOW)
+def slow_groups(tmp_path_factory):
+    """A slow family's own run, made when one of its tests is first selected (``-k glm4_moe`` runs one)."""
+    runs = {}
+
+    def run(family):
+        if family not in runs:
+            runs[family] = run_group(tmp_path_factory.mktemp(f"moe_{family}"), (family,))
+        return runs[family]
+
+    return run
 
 
 @pytest.fixture
 def group(request, family):
-    """The group run that holds ``family`` (the slow one starts only when a slow family is selected)."""
-    return request.getfixturevalue("default_group" if family in DEFAULT else "slow_group")
+    """The group run that holds ``family``."""
+    return (
+        request.getfixturevalue("default_group")
+        if family in DEFAULT
+        else request.getfixturevalue("slow_groups")(family)
+    )
 
 
 def logits(model, ids):

@@ -17,6 +17,7 @@ import torch.nn as nn
 from ..loading import read_config_json
 from .base import MoEFamily
 from .deepseek_v3 import DeepSeekV3
+from .glm4_moe import Glm4Moe
 from .gpt_oss import GptOss
 from .mixtral import Mixtral
 from .olmoe import OLMoE
@@ -24,7 +25,7 @@ from .qwen2_moe import Qwen2MoE
 from .qwen3_moe import Qwen3MoE
 
 FAMILIES: Dict[str, Type[MoEFamily]] = {
-    cls.model_type: cls for cls in (Mixtral, Qwen2MoE, Qwen3MoE, OLMoE, DeepSeekV3, GptOss)
+    cls.model_type: cls for cls in (Mixtral, Qwen2MoE, Qwen3MoE, OLMoE, DeepSeekV3, GptOss, Glm4Moe)
 }
 SUPPORTED_MOE = tuple(FAMILIES)
 
