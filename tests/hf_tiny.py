@@ -80,6 +80,11 @@ MOE_FAMILIES = {
         | {"n_shared_experts": 1, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1}
         | {"routed_scaling_factor": 2.5, "norm_topk_prob": True, "use_qk_norm": True},
     ),
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        "MiniMaxM2ForCausalLM",
+        {**DECODER, "intermediate_size": MOE_FFN, "num_local_experts": NUM_EXPERTS, **_MOE} | {"head_dim": 8},
+    ),
 }
 # family -> (config class, model class, config fields)
 FAMILIES = {
@@ -155,6 +160,7 @@ EXPERT_COUNT_KEY = {
     "deepseek_v3": "n_routed_experts",
     "gpt_oss": "num_local_experts",
     "glm4_moe": "n_routed_experts",
+    "minimax_m2": "num_local_experts",
 }
 
 

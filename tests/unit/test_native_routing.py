@@ -148,6 +148,7 @@ CASES = [(f, {}) for f in MOE_FAMILIES] + [
 
 
 def hf_router(family, overrides, zero=False):
+    """(config, router module, its correction bias or None, the router's call on tokens)."""
     model = randomize(tiny_model(family, **overrides).double(), seed=3)
     mlp = model.model.layers[-1].mlp
     router = mlp.router if family == "gpt_oss" else mlp.gate
@@ -156,22 +157,19 @@ def hf_router(family, overrides, zero=False):
             router.weight.zero_()
             if family == "gpt_oss":
                 router.bias.zero_()
-    return model.config, router
+    if family == "minimax_m2":  # the block holds the correction bias and hands it to its router
+        return model.config, router, mlp.e_score_correction_bias, lambda x: router(x, mlp.e_score_correction_bias)
+    return model.config, router, getattr(router, "e_score_correction_bias", None), router
 
 
 def ours_and_theirs(family, overrides, zero=False, num_tokens=40):
-    config, router = hf_router(family, overrides, zero)
+    config, router, correction, call = hf_router(family, overrides, zero)
     x = torch.randn(num_tokens, config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     x.requires_grad_(True)
-    logits, weights_TK, index_TK = router(x)
+    logits, weights_TK, index_TK = call(x)
     rule = family_of(config).rule()
-    ours = native(
-        x,
-        router.weight,
-        rule,
-        bias_E=getattr(router, "bias", None) if rule.router_bias else None,
-        correction_E=getattr(router, "e_score_correction_bias", None),
-    )
+    bias = getattr(router, "bias", None) if rule.router_bias else None
+    ours = native(x, router.weight, rule, bias_E=bias, correction_E=correction)
     return router, x, (logits, weights_TK, index_TK), ours
 
 

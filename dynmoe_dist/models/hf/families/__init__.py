@@ -19,13 +19,14 @@ from .base import MoEFamily
 from .deepseek_v3 import DeepSeekV3
 from .glm4_moe import Glm4Moe
 from .gpt_oss import GptOss
+from .minimax_m2 import MiniMaxM2
 from .mixtral import Mixtral
 from .olmoe import OLMoE
 from .qwen2_moe import Qwen2MoE
 from .qwen3_moe import Qwen3MoE
 
 FAMILIES: Dict[str, Type[MoEFamily]] = {
-    cls.model_type: cls for cls in (Mixtral, Qwen2MoE, Qwen3MoE, OLMoE, DeepSeekV3, GptOss, Glm4Moe)
+    cls.model_type: cls for cls in (Mixtral, Qwen2MoE, Qwen3MoE, OLMoE, DeepSeekV3, GptOss, Glm4Moe, MiniMaxM2)
 }
 SUPPORTED_MOE = tuple(FAMILIES)
 
