@@ -83,7 +83,8 @@ MOE_FAMILIES = {
     "minimax_m2": (
         "MiniMaxM2Config",
         "MiniMaxM2ForCausalLM",
-        {**DECODER, "intermediate_size": MOE_FFN, "num_local_experts": NUM_EXPERTS, **_MOE} | {"head_dim": 8},
+        {**DECODER, "intermediate_size": MOE_FFN, "num_local_experts": NUM_EXPERTS, **_MOE}
+        | {"head_dim": 8, "bos_token_id": None, "eos_token_id": 1},  # its own ids lie outside a tiny vocabulary
     ),
 }
 # family -> (config class, model class, config fields)
