@@ -66,9 +66,14 @@ def render_segments(tokenizer, template: Optional[str], messages: List[Message])
     """The rendered conversation as (text, is the assistant's) pieces, in order; they join to the full text."""
 
     def render(turns: List[Message], generation_prompt: bool) -> str:
-        return tokenizer.apply_chat_template(
-            turns, chat_template=template, tokenize=False, add_generation_prompt=generation_prompt
-        )
+        from jinja2 import TemplateError
+
+        try:
+            return tokenizer.apply_chat_template(
+                turns, chat_template=template, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        except TemplateError as err:  # a template's own raise_exception ("roles must alternate"), or a bad one
+            raise ValueError(f"the chat template refuses it: {' '.join(str(err).split())}") from None
 
     full, pieces, cursor = render(messages, False), [], 0
     for i, message in enumerate(messages):

@@ -252,3 +252,17 @@ def test_run_file_mistakes_are_one_line(tmp_path, tokenizer_dir, extra, override
     with pytest.raises(ValueError) as err:
         load_config(run, overrides)
     assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_conversation_the_template_refuses_is_named(tmp_path, tokenizer_dir):
+    strict = tmp_path / "strict.jinja"
+    strict.write_text(
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+        "<|{{ m['role'] }}|> {{ m['content'] }} <|end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+    )
+    twice = {"messages": [CONVERSATIONS[0][0], *CONVERSATIONS[0]]}
+    corpus = write_jsonl(tmp_path / "chat.jsonl", [GOOD, twice])
+    with pytest.raises(ValueError, match=r"chat.jsonl:2: the chat template refuses it: roles must alternate"):
+        open_chat(corpus, tokenizer_dir, tmp_path / "cache", chat_template=str(strict))
