@@ -2,7 +2,9 @@
 accuracy on 2 and 3 ranks equal the single-process run's (1e-9, the summation order), with uneven shares (7
 packed sequences per step over 2 and 3 ranks) and across an epoch boundary; a mid-epoch checkpoint of the
 2-rank run resumes on 3 ranks to the uninterrupted losses. Every rank reads only its own sequences from the
-memmap (the reads are counted), and exactly one rank of a world builds the token cache.
+memmap (the reads are counted), and exactly one rank of a world builds the token cache. (The resume is
+slow-marked: the schedule it restores is causal-lm's, whose resume tests/distributed/test_token_stream.py
+checks in the default suite.)
 
 Each world's group is spawned once for the module."""
 
@@ -144,6 +146,7 @@ def test_one_rank_builds_the_token_cache(files, world):
     assert sum(r["built_the_cache"] for r in results(files, world)) == 1
 
 
+@pytest.mark.slow
 def test_a_two_rank_checkpoint_resumes_on_three_ranks(files):
     want = results(files, 1)[0]["losses"]
     for rank, got in enumerate(results(files, 3, resume_from=results(files, 2)[0]["saved"])):
