@@ -5,7 +5,7 @@ The checkpoint is all it reads: the model is built without weights from the base
 in ``CHECKPOINT/model/`` (with its tokenizer; train/model_files.py, content hash checked), so the base at
 model.path may have been moved or deleted. A checkpoint written before ``model/`` existed builds from model.path.
 
-The checkpoint (train/checkpoint.py: meta.pt, dense/, experts_ep{r}.pt) holds dense parameters by their
+The checkpoint (train/checkpoint.py: meta.pt, dense/, experts_ep{r}.safetensors) holds dense parameters by their
 name in the trainer's model and experts by (MoE layer, logical id, ``moe.experts.expert_key``), whatever
 the world size, ep size, replicas and FSDP sharding were. The export builds the run's model with the same
 builder the trainer used (models/build.py, from the checkpoint's [model] and [moe]), sets each MoE layer to
@@ -68,7 +68,7 @@ def fill_experts(model: nn.Module, experts: Mapping[str, Dict], meta: Dict, wher
         keys = [expert_key(index, e) for e in range(count)]
         missing = [key for key in keys if key not in experts]
         if missing:
-            raise ValueError(f"{where}: expert {missing[0]} (layer/logical id) is in no experts_ep*.pt file")
+            raise ValueError(f"{where}: expert {missing[0]} (layer/logical id) is in no experts_ep* file")
         rebuild_experts(layer, count, [experts[key]["params"] for key in keys])
 
 

@@ -1,19 +1,24 @@
-"""`python -m dynmoe_dist.bench checkpoint [--ranks 1,2,4] [--tiny] [--out FILE]`: host memory and time of
-saving and loading the dense checkpoint state (train/dense_state.py) under FSDP.
+"""`python -m dynmoe_dist.bench checkpoint [--ranks 1,2,3] [--tiny] [--out FILE]`: what the end of a run adds to
+a rank's peak host memory (the held-out evaluation, and the checkpoint write with the experts and their Adam
+state), and the dense state's load.
 
-A SmolLM2-shaped model (transformers ``LlamaConfig``: 30 blocks, hidden 576, FFN 1536, 9 heads with 3
-key-value heads, vocabulary 49152, tied head; random weights, nothing downloaded) has its last two MLPs
-upcycled into 4 gated DynMoE experts each, as launcher/configs/smollm2_dynmoe.toml does, and every
-parameter trains. On N gloo ranks (N = 1 is one process, nothing to shard) the dense weights are sharded
-with FSDP2 and experts are expert-parallel; one training step creates the Adam state. Then every rank
-  saves   the dense state (weights, exp_avg, exp_avg_sq, step) into one DCP directory, and
-  loads   it back into its zeroed weights with the optimizer state dropped first (what a resuming run
-          holds: weights, no Adam state), checking afterwards that every weight came back (a per-tensor checksum).
-For each, every rank reports its peak resident memory above its resident memory just before (Linux
-VmHWM after resetting it, in a fresh process with a fixed mmap threshold: bench/measure.py) and the
-wall time; a phase's time is the slowest rank's. Target: peak extra memory per rank <= 1.2/N of the
-full dense state (what one process would hold) plus a constant for DCP's planning and I/O buffers.
-Experts are not part of this measurement: they are written by their owners as before.
+An imported Qwen3-MoE written by bench/moe_checkpoint.py (4 layers of 16 experts, top-2, hidden 256,
+moe_intermediate_size 768, vocabulary 4096; float32, random weights: the experts are about 90 % of the
+parameters, as in the MoEs people finetune) is loaded as a run loads it (model.path, native routing) on N
+gloo ranks (N = 1 is one process): experts expert-parallel over all N, dense weights FSDP-sharded. One
+training step (train/step.py) creates the Adam state. Then every rank, one phase after the other:
+  evaluate  train/step.py's evaluate_totals over --eval-batches held-out batches (what Trainer.evaluate runs);
+  save      the checkpoint's weight parts written as the trainer writes them (CheckpointManager with
+            train/checkpoint_parts.py's weight_parts): the experts it owns with their Adam state streamed
+            into experts_ep{r}.safetensors, its dense shard with its Adam state into dense/ (DCP);
+  load      the dense state back into its zeroed dense weights with the optimizer state dropped first (what
+            a resuming run holds), checked afterwards by a per-tensor checksum.
+Each phase's figure is the rank's peak resident memory above its resident memory just before (Linux VmHWM
+after resetting it, in a fresh process with a fixed mmap threshold: bench/measure.py) and its wall time; a
+phase's time is the slowest rank's. A rank's share is the bytes of the parameters it holds (its experts, its
+shard of the dense weights): what loading the model costs it. Targets: evaluating and saving each add at most
+0.1 x the share + 64 MiB to a rank's peak (neither holds a copy of the weights, of the experts or of their
+Adam state); loading the dense state at most 1.2/N x the full dense state + 64 MiB.
 """
 
 from __future__ import annotations
@@ -27,157 +32,172 @@ from typing import Dict, List
 
 import torch
 
-from ..config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
-from ..moe import MoEConfig
-from .measure import emit_json, machine_info, measured_call, memory_process_env, next_token_step
+from ..config import RunConfig, from_dict, model_source_defaults, resolve_num_layers
+from .hf_moe import MODERATE, TINY
+from .measure import (
+    emit_json,
+    machine_info,
+    measured_call,
+    memory_process_env,
+    next_token_step,
+    tensors_mib,
+)
+from .moe_checkpoint import write_checkpoint
 
 MIB = 2**20
-TARGET_SHARE, TARGET_CONSTANT_MIB = 1.2, 64.0
-SMOLLM2 = dict(vocab=49152, dim=576, ffn=1536, layers=30, heads=9, kv_heads=3)
-TINY = dict(vocab=512, dim=64, ffn=128, layers=3, heads=4, kv_heads=2)
+TARGETS = {"end_extra_share": 0.1, "end_extra_mib": 64.0, "load_share": 1.2, "load_mib": 64.0}
+PHASES = ("evaluate", "save", "load")
 MEMORY_METHOD = (
     "every rank is a fresh spawned process with MALLOC_MMAP_THRESHOLD_=131072 (each tensor above 128 KiB is "
-    "its own mapping, so freed memory leaves the resident set); a warm-up save and load of one tensor pays "
-    "DCP's one-time costs; before each phase: gc, malloc_trim, VmRSS as the baseline, the high-water mark "
-    "reset (5 > /proc/self/clear_refs); after it: VmHWM - baseline in MiB"
+    "its own mapping, so freed memory leaves the resident set); a warm-up evaluation and a warm-up save and "
+    "load of one dense tensor pay the one-time costs; before each phase: gc, malloc_trim, VmRSS as the "
+    "baseline, the high-water mark reset (5 > /proc/self/clear_refs); after it: VmHWM - baseline in MiB"
 )
 
 
-def run_config(shape: Dict, num_experts: int) -> RunConfig:
-    """The benchmark's settings: the last two blocks upcycled, every parameter trained, dense FSDP."""
-    layers = shape["layers"]
-    return RunConfig(
-        model=ModelConfig(
-            source="hf",
-            path="(a SmolLM2-shaped LlamaForCausalLM with random weights, in memory)",
-            num_layers=layers,
-            moe_layers=[layers - 2, layers - 1],
-        ),
-        moe=MoEConfig(num_experts=num_experts, max_experts=2 * num_experts),
-        train=TrainConfig(lr=1e-4, weight_decay=0.01),
-        parallel=ParallelConfig(dense_sharding="fsdp"),
-    )
+def run_config(model_dir: str, out_dir: str) -> RunConfig:
+    """The imported run: routing, expert count and MoE blocks from config.json (as load_config fills them),
+    experts over the whole world, dense weights FSDP-sharded, checkpoints under out_dir."""
+    data: Dict = {
+        "model": {"source": "hf", "path": model_dir},
+        "train": {"lr": 1e-4, "weight_decay": 0.01},
+        "parallel": {"dense_sharding": "fsdp"},
+        "output": {"out_dir": out_dir},
+    }
+    model_source_defaults(data)
+    config = from_dict(data)
+    resolve_num_layers(config.model)
+    return config
 
 
-def build_model(shape: Dict, config: RunConfig) -> torch.nn.Module:
-    """The SmolLM2-shaped Llama (random weights) with its last two MLPs upcycled, as the trainer sees it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from ..models.build import hf_causal_lm_from
-    from ..tasks.base import ModelNeeds
-
-    hf_config = LlamaConfig(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["dim"],
-        intermediate_size=shape["ffn"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        tie_word_embeddings=True,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    needs = ModelNeeds("causal-lm", shape["vocab"])
-    return hf_causal_lm_from(LlamaForCausalLM(hf_config), config.model, config.moe, needs)
-
-
-def _local_sums(params) -> List[float]:
+def _dense_sums(params) -> List[float]:
     from ..parallel.fsdp import local
 
     return [float(local(p.detach()).double().sum()) for _, p in params]
 
 
-def _warm_up(directory: Path, params, optimizer, groups) -> None:
-    """One save and load of a single tensor: imports, thread pools and first calls are not the figure."""
+def _warm_up(directory: Path, parts, evaluate) -> None:
+    """An evaluation and one dense tensor saved and loaded: imports, thread pools and first calls are not
+    the figures."""
+    from ..moe.layer import dense_state_tensors
     from ..train.dense_state import load_dense, save_dense
 
-    save_dense(directory, params, optimizer, groups)
-    load_dense(directory, params, optimizer, groups)
+    evaluate()
+    params = dense_state_tensors(parts.model)[:1]
+    save_dense(directory, params, parts.optimizer, parts.groups)
+    load_dense(directory, params, parts.optimizer, parts.groups)
 
 
 def rank_case(spec: Dict) -> Dict:
-    """One rank: build, shard, one step, then save and load the dense state, measured."""
-    from ..models.source import BuiltModel
+    """One rank: load the imported MoE, one step, then evaluate, save and load, each measured."""
+    from ..models.build import build_model
+    from ..moe.layer import dense_state_tensors
     from ..parallel.fsdp import local
     from ..parallel.groups import barrier
-    from ..parallel.reshard import dense_named_parameters
-    from ..train.dense_state import dense_state_dict, load_dense, save_dense
+    from ..tasks.base import Batch, ModelNeeds
+    from ..tasks.causal_lm import next_token_terms
+    from ..train.checkpoint import CheckpointManager
+    from ..train.checkpoint_parts import weight_parts
+    from ..train.dense_state import dense_state_dict
     from ..train.parts import build_parts
+    from ..train.step import evaluate_totals
 
     torch.set_num_threads(1)
-    config = run_config(spec["shape"], num_experts=4)
-    model = build_model(spec["shape"], config)
+    config = run_config(spec["model_dir"], spec["out_dir"])
     with warnings.catch_warnings():  # one rank: FSDP has nothing to shard, and says so
         warnings.simplefilter("ignore", UserWarning)
-        parts = build_parts(config, BuiltModel(model))
-    groups, shards, optimizer = parts.groups, parts.experts.shards, parts.optimizer
-    tokens = torch.randint(0, spec["shape"]["vocab"], (1, 17), generator=torch.Generator().manual_seed(1))
+        parts = build_parts(config, build_model(config.model, config.moe, ModelNeeds("causal-lm", spec["vocab"])))
+    groups, model = parts.groups, parts.model
+    shape = (spec["batch"], spec["seq_len"] + 1)
+    tokens = torch.randint(0, spec["vocab"], shape, generator=torch.Generator().manual_seed(1 + groups.rank))
     next_token_step(parts, tokens)()  # the trainer's step: the Adam state exists from here on
+    batches = [Batch({"input_ids": tokens[:, :-1]}, tokens[:, 1:])] * spec["eval_batches"]
+    losses: List[torch.Tensor] = []
 
-    params = dense_named_parameters(model, shards)
-    state = dense_state_dict(params, optimizer)
-    full_bytes = sum(t.numel() * t.element_size() for t in state.values())  # a DTensor's numel is the global one
-    local_bytes = sum(local(t).numel() * t.element_size() for t in state.values())
+    def evaluate() -> None:
+        losses.append(evaluate_totals(parts, batches, next_token_terms))
+
+    dense = dense_state_tensors(model)
+    state = dense_state_dict(dense, parts.optimizer)  # weights and Adam state, as DCP saves them
+    full_dense = sum(t.numel() * t.element_size() for t in state.values())  # a DTensor's numel is the whole one
     del state
-    directory = Path(spec["directory"])
-    _warm_up(directory.with_name("warm_up"), params[:1], optimizer, groups)
+    _warm_up(Path(spec["out_dir"]) / "warm_up", parts, evaluate)
+    barrier(groups, "bench checkpoint evaluate")
+    evaluate_peak, evaluate_s = measured_call(evaluate)
+    manager = CheckpointManager(config, groups, weight_parts(parts))
     barrier(groups, "bench checkpoint save")
-    save_peak, save_s = measured_call(lambda: save_dense(directory, params, optimizer, groups))
-    before = _local_sums(params)
-    optimizer.state.clear()  # a resuming run holds weights and no Adam state yet
+    paths: List[Path] = []
+    save_peak, save_s = measured_call(lambda: paths.append(manager.save(1)))
+    before = _dense_sums(dense)
+    parts.optimizer.state.clear()  # a resuming run holds weights and no Adam state yet
     with torch.no_grad():
-        for _, p in params:
-            local(p.detach()).zero_()
+        for _, t in dense:
+            local(t.detach()).zero_()
     barrier(groups, "bench checkpoint load")
-    load_peak, load_s = measured_call(lambda: load_dense(directory, params, optimizer, groups))
-    own_file = directory / f"__{groups.rank}_0.distcp"
+    load_peak, load_s = measured_call(lambda: weight_parts(parts)["dense"].load_files(paths[0], {}))
     return {
         "rank": groups.rank,
-        "full_dense_state_bytes": full_bytes,
-        "local_dense_state_bytes": local_bytes,
-        "file_bytes": own_file.stat().st_size if own_file.is_file() else 0,
-        "save_peak_extra_mib": save_peak,
-        "load_peak_extra_mib": load_peak,
-        "save_s": save_s,
-        "load_s": load_s,
-        "weights_restored": _local_sums(params) == before,
+        "share_mib": tensors_mib(model.parameters()),
+        "experts_mib": tensors_mib(p for shard in parts.experts.shards for p in shard.layer.experts.parameters()),
+        "full_dense_state_mib": full_dense / MIB,
+        "expert_file_mib": sum(f.stat().st_size for f in paths[0].glob(f"experts_ep{groups.ep_rank}.*")) / MIB,
+        "peak_extra_mib": {"evaluate": evaluate_peak, "save": save_peak, "load": load_peak},
+        "seconds": {"evaluate": evaluate_s, "save": save_s, "load": load_s},
+        "weights_restored": _dense_sums(dense) == before,
+        "evaluation_loss_sum": float(losses[-1][0]),
     }
 
 
-def run_case(world: int, shape: Dict, timeout_s: float) -> Dict:
+def run_case(world: int, spec: Dict, timeout_s: float) -> Dict:
     from ..parallel.simulate import run_simulated
 
-    directory = Path(tempfile.mkdtemp(prefix=f"bench_checkpoint_{world}_")) / "dense"
+    out_dir = Path(tempfile.mkdtemp(prefix=f"bench_checkpoint_{world}_"))
     try:
+        env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
         per_rank = run_simulated(
-            rank_case, world, args=({"shape": shape, "directory": str(directory)},), timeout_s=timeout_s
+            rank_case, world, args=({**spec, "out_dir": str(out_dir)},), timeout_s=timeout_s, env=env
         )
     finally:
-        shutil.rmtree(directory.parent, ignore_errors=True)
+        shutil.rmtree(out_dir, ignore_errors=True)
     return summarize(world, per_rank)
 
 
+def targets_mib(world: int, rank: Dict) -> Dict[str, float]:
+    """A rank's targets: evaluate and save against its share, load against the full dense state / N."""
+    end = TARGETS["end_extra_share"] * rank["share_mib"] + TARGETS["end_extra_mib"]
+    load = TARGETS["load_share"] / world * rank["full_dense_state_mib"] + TARGETS["load_mib"]
+    return {"evaluate": end, "save": end, "load": load}
+
+
 def summarize(world: int, per_rank: List[Dict]) -> Dict:
-    full_mib = per_rank[0]["full_dense_state_bytes"] / MIB
-    target = TARGET_SHARE / world * full_mib + TARGET_CONSTANT_MIB
-    worst = {k: max(r[k] for r in per_rank) for k in ("save_peak_extra_mib", "load_peak_extra_mib")}
+    """Per phase: the worst rank's extra peak, its ratio to that rank's share, and whether every rank meets
+    its target; the slowest rank's time."""
+    phases = {}
+    for phase in PHASES:
+        peaks = [r["peak_extra_mib"][phase] for r in per_rank]
+        phases[phase] = {
+            "max_peak_extra_mib": round(max(peaks), 2),
+            "max_peak_extra_over_share": round(max(p / r["share_mib"] for p, r in zip(peaks, per_rank)), 4),
+            "meets_target": all(r["peak_extra_mib"][phase] <= targets_mib(world, r)[phase] for r in per_rank),
+            "seconds": round(max(r["seconds"][phase] for r in per_rank), 3),
+        }
     return {
         "ranks": world,
-        "full_dense_state_mib": round(full_mib, 2),
-        "target_peak_extra_mib": round(target, 2),
-        "save_s": round(max(r["save_s"] for r in per_rank), 3),
-        "load_s": round(max(r["load_s"] for r in per_rank), 3),
-        "max_save_peak_extra_mib": worst["save_peak_extra_mib"],
-        "max_load_peak_extra_mib": worst["load_peak_extra_mib"],
-        "meets_target": all(v <= target for v in worst.values()),
+        "max_share_mib": round(max(r["share_mib"] for r in per_rank), 2),
+        "full_dense_state_mib": round(per_rank[0]["full_dense_state_mib"], 2),
+        "phases": phases,
+        "meets_targets": all(p["meets_target"] for p in phases.values()),
         "weights_restored": all(r["weights_restored"] for r in per_rank),
         "per_rank": [
             {
-                **{k: r[k] for k in ("rank", "save_peak_extra_mib", "load_peak_extra_mib")},
-                "save_s": round(r["save_s"], 3),
-                "load_s": round(r["load_s"], 3),
-                "local_dense_state_mib": round(r["local_dense_state_bytes"] / MIB, 2),
-                "file_mib": round(r["file_bytes"] / MIB, 2),
+                "rank": r["rank"],
+                "share_mib": round(r["share_mib"], 2),
+                "experts_mib": round(r["experts_mib"], 2),
+                "expert_file_mib": round(r["expert_file_mib"], 2),
+                # weights, exp_avg and exp_avg_sq of every expert it owns (each owned once): about 3
+                "expert_file_over_experts": round(r["expert_file_mib"] / r["experts_mib"], 3),
+                "peak_extra_mib": {k: round(v, 2) for k, v in r["peak_extra_mib"].items()},
+                "target_mib": {k: round(v, 2) for k, v in targets_mib(world, r).items()},
             }
             for r in per_rank
         ],
@@ -190,7 +210,7 @@ def parse_ranks(text: str) -> List[int]:
     except ValueError:
         ranks = []
     if not ranks or min(ranks) < 1:
-        raise SystemExit(f"--ranks ({text!r}) must be a comma-separated list of positive integers, e.g. 1,2,4")
+        raise SystemExit(f"--ranks ({text!r}) must be a comma-separated list of positive integers, e.g. 1,2,3")
     return ranks
 
 
@@ -200,9 +220,9 @@ def parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--ranks", default="1,2,4", help="world sizes to measure, comma-separated (default 1,2,4)")
-    p.add_argument("--tiny", action="store_true", help="a small model (3 blocks, hidden 64): a smoke run")
-    p.add_argument("--num-layers", type=int, help="blocks (default: SmolLM2's 30; the last two are MoE)")
+    p.add_argument("--ranks", default="1,2,3", help="world sizes to measure, comma-separated (default 1,2,3)")
+    p.add_argument("--tiny", action="store_true", help="a tiny MoE (2 layers of 4 experts, hidden 32): a smoke run")
+    p.add_argument("--eval-batches", type=int, default=2, help="held-out batches of the evaluation (default 2)")
     p.add_argument("--out", help="also write the JSON to this file")
     p.add_argument("--timeout-s", type=float, default=900)
     return p
@@ -211,17 +231,29 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
     ranks = parse_ranks(args.ranks)
-    shape = dict(TINY if args.tiny else SMOLLM2)
-    if args.num_layers is not None:
-        if args.num_layers < 2:
-            raise SystemExit(f"--num-layers ({args.num_layers}) must be >= 2: the last two blocks are MoE")
-        shape["layers"] = args.num_layers
-    with memory_process_env():  # the spawned ranks inherit it
-        cases = [run_case(world, shape, args.timeout_s) for world in ranks]
+    shape = TINY if args.tiny else MODERATE
+    if max(ranks) > shape.num_experts:
+        raise SystemExit(f"--ranks ({args.ranks!r}) must be at most {shape.num_experts}: one expert per rank at least")
+    if args.eval_batches < 1:
+        raise SystemExit(f"--eval-batches ({args.eval_batches}) must be >= 1")
+    root = Path(tempfile.mkdtemp(prefix="bench_checkpoint_model_"))
+    try:
+        model_dir = root / "imported_moe"
+        described = write_checkpoint(model_dir, shape, max_shard_bytes=256 * MIB)
+        spec = dict(model_dir=str(model_dir), vocab=shape.vocab, batch=2, seq_len=32 if args.tiny else 128)
+        spec["eval_batches"] = args.eval_batches
+        with memory_process_env():  # the spawned ranks inherit it
+            cases = [run_case(world, spec, args.timeout_s) for world in ranks]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     result = {
         "benchmark": "checkpoint",
-        "model": {**shape, "moe_layers": [shape["layers"] - 2, shape["layers"] - 1], "num_experts": 4},
-        "target": f"peak extra host memory per rank <= {TARGET_SHARE}/N x full dense state + {TARGET_CONSTANT_MIB} MiB",
+        "model": described,
+        "target": (
+            f"evaluate and save: peak extra host memory per rank <= {TARGETS['end_extra_share']} x its share + "
+            f"{TARGETS['end_extra_mib']} MiB; load (dense): <= {TARGETS['load_share']}/N x full dense state + "
+            f"{TARGETS['load_mib']} MiB"
+        ),
         "cases": cases,
         "memory_method": MEMORY_METHOD,
         "machine": machine_info(1),

@@ -162,6 +162,15 @@ def unshard_experts(shards: Sequence[LayerShard], sharding: Sharding, optimizer:
         shard.layer.experts.set_experts(plain_modules)
 
 
+def reshard_gathered(model: nn.Module) -> None:
+    """Free the whole dense weights FSDP holds gathered after a forward that no backward follows (an
+    evaluation): the root is sharded with reshard_after_forward=False, so its weights stay whole until the
+    next backward; blocks with reshard_after_forward=False too."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def full(t: Any) -> Any:
     """The whole tensor behind a DTensor shard (an all-gather); anything else as it is."""
     return t.full_tensor() if isinstance(t, DTensor) else t

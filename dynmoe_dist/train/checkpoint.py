@@ -7,7 +7,7 @@ into meta.pt) or has ``OwnFiles`` (``save_files(dir)`` / ``load_files(dir, entry
 the dense state, train/checkpoint_parts.py). Layout: ``OUT/checkpoints/step_000120/`` with
   meta.pt          format, step, config, and every part's entry under its name
   dense/           the dense state (a torch.distributed.checkpoint directory, one shard file per rank)
-  experts_ep{r}.pt the experts owned by ep rank r, by 'layer/logical id'
+  experts_ep{r}.safetensors  the experts owned by ep rank r with their Adam state, by 'layer/logical id'
   model/           a transformers model's config files and tokenizer, what the export builds it from
                    (train/model_files.py; meta.pt names the base it was trained from by content hash)
 Atomic: everything goes into ``step_000120.tmp/`` and rank 0 renames it when all ranks are done; the
@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Mapping, Optional, Protocol, Tuple, Union, r
 
 from ..config import DERIVED_MOE_KEYS, SECTIONS, RunConfig, from_dict
 from ..parallel.groups import ParallelGroups, barrier
-from .checkpoint_parts import atomic_save, dense_directory, load_file
+from .checkpoint_parts import atomic_save, dense_directory, expert_file_owners, load_file, read_expert_file
 from .dense_state import CheckpointError, read_dense_params
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -252,8 +252,8 @@ def read_checkpoint_experts(checkpoint: Path) -> Dict[str, Dict]:
     """Experts by 'layer/logical id' (params and optimizer state), whatever the world size: every expert
     file is read, and a replicated expert was saved once."""
     experts: Dict[str, Dict] = {}
-    for path in sorted(checkpoint.glob("experts_ep*.pt")):
-        experts.update(load_file(path))
+    for owner in expert_file_owners(checkpoint):
+        experts.update(read_expert_file(checkpoint, owner))
     return experts
 
 

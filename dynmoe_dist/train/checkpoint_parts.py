@@ -3,9 +3,12 @@ meta.pt): the expert set and the dense state. Both follow train/checkpoint.py's 
 ``save_files(directory)`` writes (collective) and returns the part's small entry for meta.pt;
 ``load_files(directory, entry)`` reads it back (collective), resharded to how this run holds it.
 
-  experts_ep{r}.pt  the experts owned by ep rank r (``Placement.owner``): weights and Adam state by
-                    'layer/logical id', written by the ranks of the first dp group; a resuming rank reads
-                    only the files whose owners hold experts it will hold
+  experts_ep{r}.safetensors
+                    the experts owned by ep rank r (``Placement.owner``): weights and Adam state by
+                    'layer/logical id', written by the ranks of the first dp group one tensor at a time
+                    (train/tensor_file.py: no copy of the experts in memory, at most one tensor gathered or
+                    on the host); a resuming rank reads only the files whose owners hold experts it will
+                    hold. Checkpoints written before hold ``experts_ep{r}.pt`` (torch.save), still read
   dense/            dense parameters (routers included) and their Adam state, a torch.distributed.checkpoint
                     directory (train/dense_state.py): each rank writes its own FSDP shard, DCP reshards
 """
@@ -14,15 +17,20 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, List, Mapping, Tuple
 
 import torch
+from torch import Tensor
 from torch.optim import Optimizer
 
+from ..moe.layer import dense_state_tensors
+from ..parallel.fsdp import full
 from ..parallel.groups import ParallelGroups
 from ..parallel.reshard import owner_files_needed
 from .dense_state import DENSE_DIR, CheckpointError, NamedParams, load_dense, save_dense
 from .experts import ExpertPayload, ExpertSet, saved_placements
+from .parts import TrainParts
+from .tensor_file import read_tensors, write_streamed
 
 
 def load_file(path: Path) -> Any:
@@ -42,7 +50,59 @@ def atomic_save(obj: Any, path: Path) -> None:
 
 
 def expert_file(directory: Path, ep_rank: int) -> Path:
-    return directory / f"experts_ep{ep_rank}.pt"
+    return directory / f"experts_ep{ep_rank}.safetensors"
+
+
+def _flat_name(key: str, kind: str, name: str, field: str = "") -> str:
+    """'layer/expert/params/NAME' or 'layer/expert/state/NAME/FIELD' (a parameter name holds no '/')."""
+    return "/".join([key, kind, name] + ([field] if field else []))
+
+
+def flatten_experts(payload: ExpertPayload) -> List[Tuple[str, Tensor]]:
+    """An expert payload as (flat name, tensor), in the payload's order (the same on every rank)."""
+    flat = []
+    for key, entry in payload.items():
+        flat += [(_flat_name(key, "params", n), t) for n, t in entry["params"].items()]
+        for name, state in entry["state"].items():
+            for field, value in state.items():
+                if not torch.is_tensor(value):
+                    raise TypeError(f"expert {key} {name}: optimizer state {field!r} is not a tensor ({value!r})")
+                flat.append((_flat_name(key, "state", name, field), value))
+    return flat
+
+
+def unflatten_experts(flat: Mapping[str, Tensor]) -> ExpertPayload:
+    payload: ExpertPayload = {}
+    for flat_name, t in flat.items():
+        layer, expert, kind, rest = flat_name.split("/", 3)
+        entry = payload.setdefault(f"{layer}/{expert}", {"params": {}, "state": {}})
+        if kind == "params":
+            entry["params"][rest] = t
+        else:
+            name, field = rest.rsplit("/", 1)
+            entry["state"].setdefault(name, {})[field] = t
+    return payload
+
+
+def _to_host(t: Tensor) -> Tensor:
+    """A whole tensor on the host: a sharded expert's is gathered (collective), a host one is itself."""
+    return full(t).cpu()
+
+
+def read_expert_file(directory: Path, owner: int) -> ExpertPayload:
+    """The experts in ep rank ``owner``'s file of a checkpoint (the older torch.save file where that is
+    what the checkpoint holds)."""
+    path = expert_file(directory, owner)
+    old = path.with_suffix(".pt")
+    if not path.is_file() and old.is_file():
+        return load_file(old)
+    return unflatten_experts(read_tensors(path))
+
+
+def expert_file_owners(directory: Path) -> List[int]:
+    """The ep ranks whose expert files a checkpoint holds."""
+    found = {int(p.name.split(".")[0].removeprefix("experts_ep")) for p in directory.glob("experts_ep*.*")}
+    return sorted(found)
 
 
 class ExpertFiles:
@@ -54,14 +114,13 @@ class ExpertFiles:
         self.groups = groups
 
     def save_files(self, directory: Path) -> Dict[str, Any]:
-        # Experts are written by their owners as logical tensors: only the ranks that write them copy them to
-        # the host, and under expert FSDP every rank of the expert-dp group takes part in gathering them
-        # (full_tensor is a collective).
+        # Experts are written by their owners as logical tensors, streamed: only the ranks that write them
+        # copy them to the host, one tensor at a time, and under expert FSDP every rank of the expert-dp
+        # group takes part in gathering each (full_tensor is a collective).
         writes = self.groups.dp_rank == 0
         if writes or self.experts.sharded:
-            owned = self.experts.owned_experts()
-            if writes:
-                atomic_save(owned, expert_file(directory, self.groups.ep_rank))
+            path = expert_file(directory, self.groups.ep_rank) if writes else None
+            write_streamed(path, flatten_experts(self.experts.owned_tensors()), _to_host)
         return self.experts.layout()
 
     def load_files(self, directory: Path, entry: Dict[str, Any]) -> None:
@@ -69,7 +128,7 @@ class ExpertFiles:
         needed = owner_files_needed(saved, self.experts.resume_placements(entry), self.groups.ep_rank)
         payload: ExpertPayload = {}
         for owner in needed:
-            payload.update(load_file(expert_file(directory, owner)))
+            payload.update(read_expert_file(directory, owner))
         self.experts.load_state_dict({**entry, "experts": payload})
 
 
@@ -89,6 +148,15 @@ class DenseFiles:
 
     def load_files(self, directory: Path, entry: Dict[str, Any]) -> None:
         load_dense(dense_directory(directory), self.params(), self.optimizer, self.groups)
+
+
+def weight_parts(parts: TrainParts) -> Dict[str, Any]:
+    """The checkpoint parts that hold a run's weights and their optimizer state, by part name: the expert
+    set and the dense state (the trainer adds its small Stateful parts beside them)."""
+    return {
+        "experts": ExpertFiles(parts.experts, parts.groups),
+        "dense": DenseFiles(lambda: dense_state_tensors(parts.model), parts.optimizer, parts.groups),
+    }
 
 
 def dense_directory(checkpoint: Path) -> Path:

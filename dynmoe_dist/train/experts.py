@@ -8,10 +8,10 @@ Nothing else writes the shards or refreshes the optimizer's param groups: every 
 shards the experts again and points the optimizer at the model's current parameters. A caller can no
 longer leave the optimizer half-updated by forgetting a step.
 
-Stateful for checkpoints: ``state_dict()`` is this rank's share (the placements, the discarded experts,
-and the experts it owns with their Adam state, by logical key ``moe.experts.expert_key``);
-``load_state_dict()`` takes the placements and at least the experts this rank will hold, whatever the
-world size that wrote them. Which files hold them is train/checkpoint_files.py's business.
+For checkpoints: ``layout()`` (the placements and the discarded experts) and ``owned_tensors()`` (the
+experts this rank owns with their Adam state, by logical key ``moe.experts.expert_key``, not copied) are
+what it saves; ``load_state_dict()`` takes the placements and at least the experts this rank will hold,
+whatever the world size that wrote them. Which files hold them is train/checkpoint_parts.py's business.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..moe.layer import MoELayer
-from ..parallel.fsdp import Sharding, full, shard_experts, unshard_experts
+from ..parallel.fsdp import Sharding, shard_experts, unshard_experts
 from ..parallel.groups import ParallelGroups
 from ..parallel.migrate import apply_layer_plan
 from ..parallel.reshard import local_expert_parameters, owned_expert_parameters, reshard, resume_placement
@@ -116,17 +116,17 @@ class ExpertSet:
             "discarded": [None if d is None else [t.detach().cpu().clone() for t in d] for d in self._discarded],
         }
 
-    def state_dict(self) -> Dict[str, Any]:
-        """This rank's share: the layout and the experts it owns (each logical expert is owned by exactly one
-        rank of every ep group), weights and Adam state as full logical tensors on the host.
-        Collective under expert FSDP (gathering a sharded expert is)."""
-        return {**self.layout(), "experts": self.owned_experts()}
-
-    # NOTE: device-to-host sync: checkpoints copy every owned expert tensor to the host (checkpoint steps only).
-    def owned_experts(self) -> ExpertPayload:
-        states = self._optimizer_state().state_dict()
+    def owned_tensors(self) -> ExpertPayload:
+        """The experts this rank owns (each logical expert is owned by exactly one rank of every ep group)
+        with their Adam state, as the tensors the model and optimizer hold: no copies (a sharded expert's
+        are its shards' DTensors, whole only once gathered). A checkpoint streams them to disk one at a time
+        (train/checkpoint_parts.py)."""
+        states = self._optimizer_state().owned_state()
         owned = owned_expert_parameters(self._shards)
-        return {key: {"params": _host_copies(params), "state": states.get(key, {})} for key, params in owned.items()}
+        return {
+            key: {"params": {n: p.detach() for n, p in params.items()}, "state": states.get(key, {})}
+            for key, params in owned.items()
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from a (possibly other world size's) saved state: the saved placements where they fit this
@@ -154,8 +154,3 @@ class ExpertSet:
 def saved_placements(state: Mapping[str, Any]) -> List[Placement]:
     """The placements a state_dict() (or a checkpoint's layout entry) was saved with."""
     return [Placement.from_lists(json.loads(p)) for p in state["placements"]]
-
-
-def _host_copies(params: Mapping[str, Tensor]) -> Dict[str, Tensor]:
-    """Full logical tensors on the host (a sharded expert's are gathered: collective)."""
-    return {n: full(p.detach()).cpu().clone() for n, p in params.items()}

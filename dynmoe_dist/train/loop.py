@@ -17,19 +17,19 @@ import torch
 from ..config import RunConfig
 from ..models.build import build_model
 from ..moe.balance import Balancers
-from ..moe.layer import MoELayer, dense_state_tensors
+from ..moe.layer import MoELayer
 from ..parallel.groups import ParallelGroups, current_world_size, sum_over_ranks
 from ..planning.packing import rank_loads as rank_loads_of
 from ..tasks import build_task
 from .checkpoint import CheckpointManager, Part
-from .checkpoint_parts import DenseFiles, ExpertFiles
+from .checkpoint_parts import weight_parts
 from .data import BatchSchedule, eval_ranges, shard
 from .model_files import ModelFiles
 from .optim import set_lr
 from .parts import DTYPES, TrainParts, build_parts
 from .progress import WaitBar
 from .recorder import K_BINS, Recorders, health
-from .step import MicroBatch, StepTotals, train_step
+from .step import MicroBatch, StepTotals, evaluate_totals, train_step
 
 # What a step record holds per MoE layer (lists in layer order; telemetry checks their lengths).
 LAYER_METRICS = (
@@ -100,8 +100,7 @@ class Trainer:
         parts = self.parts
         states: Dict[str, Part] = {
             "trainer": self,
-            "experts": ExpertFiles(parts.experts, parts.groups),
-            "dense": DenseFiles(lambda: dense_state_tensors(parts.model), parts.optimizer, parts.groups),
+            **weight_parts(parts),
             "recorders": self.recorders,
             "model": ModelFiles(self.source, self.config, parts.groups),
         }
@@ -231,22 +230,18 @@ class Trainer:
             torch.cuda.set_rng_state(state["cuda_rng"], self.groups.device)
 
     # -- evaluation --------------------------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self, wait: str = "held-out scoring") -> Dict:
         """Loss and accuracy on the whole test split, sharded over ranks like training batches; rank 0
         shows a bar over the batches, named ``wait``."""
-        self.model.eval()
         size = self.task.size("test")
-        totals = torch.zeros(2, dtype=torch.float64, device=self.groups.device)  # loss sum, correct
         shown = self.is_rank0 and self.config.output.progress
         with WaitBar(wait, len(self.eval_ranges), "batch", enabled=shown) as bar:
-            for start, end in self.eval_ranges:
-                batch = self.local_batch("test", torch.arange(start, end))
-                with self.autocast():
-                    out = self.model(**batch.inputs)
-                totals += torch.stack(self.task.loss_terms(out.logits, batch.targets)).double()
-                bar.advance()
-        summed = self._sum_over_ranks(totals.cpu(), "eval all_reduce")  # NOTE: device-to-host sync (once)
-        self.model.train()
+            summed = evaluate_totals(self.parts, self._eval_batches(bar), self.task.loss_terms, self.autocast)
         items = self.task.count_items("test", torch.arange(size))
         return {"test_loss": float(summed[0]) / items, "test_accuracy": float(summed[1]) / size}
+
+    def _eval_batches(self, bar: WaitBar) -> Iterator:
+        """This rank's share of each held-out batch, read when the evaluation reaches it."""
+        for start, end in self.eval_ranges:
+            yield self.local_batch("test", torch.arange(start, end))
+            bar.advance()

@@ -13,7 +13,7 @@ from typing import Dict, List, Tuple
 import torch
 import torch.nn as nn
 
-from ..parallel.fsdp import full, shard_like
+from ..parallel.fsdp import shard_like
 
 
 def decays(name: str, param: torch.Tensor) -> bool:
@@ -70,13 +70,6 @@ def set_lr(optimizer: torch.optim.Optimizer, step: int, train_config, total_step
     return lr
 
 
-def _cpu_state(state: Dict) -> Dict:
-    # A sharded (FSDP) expert moment is gathered whole: experts are saved as logical tensors by their
-    # owner. Collective: every rank builds its state dict, in the same order. NOTE: device-to-host sync
-    # (checkpoint steps only).
-    return {k: full(v.detach()).cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()}
-
-
 def _on_device(state: Dict, device) -> Dict:
     # Adam keeps `step` on the CPU (capturable=False); moments live with their parameter.
     return {k: v.to(device) if torch.is_tensor(v) and k != "step" else v for k, v in state.items()}
@@ -88,7 +81,7 @@ class ExpertOptimizerState:
     DCP as it is held: train/dense_state.py.)
 
     ``{"layer/expert": {param name: state}}``; experts are saved by their owner only and restored on every
-    rank that holds them.
+    rank that holds them (a saved moment is a full logical tensor, cut like its parameter on load).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, owned_experts: Dict, local_experts: Dict):
@@ -96,12 +89,14 @@ class ExpertOptimizerState:
         self.owned_experts = owned_experts
         self.local_experts = local_experts
 
-    def _states(self, named: Dict) -> Dict:
+    def owned_state(self) -> Dict:
+        """The owned experts' state as the optimizer holds it (no copies; a sharded expert's moments are
+        its shards' DTensors): a checkpoint streams it to disk tensor by tensor."""
         state = self.optimizer.state
-        return {name: _cpu_state(state[p]) for name, p in named.items() if p in state}
-
-    def state_dict(self) -> Dict:
-        return {key: self._states(params) for key, params in self.owned_experts.items()}
+        return {
+            key: {name: dict(state[p]) for name, p in params.items() if p in state}
+            for key, params in self.owned_experts.items()
+        }
 
     def load_state_dict(self, saved: Dict) -> None:
         for key, params in self.local_experts.items():

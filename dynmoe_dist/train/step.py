@@ -1,5 +1,6 @@
 """One training step, the only one: micro-batches (forward, loss, backward), gradient sync, clipping,
 the optimizer step. The trainer and every benchmark call ``train_step``; nothing else steps an optimizer.
+Beside it, its counterpart without gradients: ``evaluate_totals`` over held-out batches.
 
 The loss of a micro-batch is its summed item losses divided by the item count of the *global*
 micro-batch and by the number of micro-batches, plus the MoE aux loss divided by the number of
@@ -12,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterable, Optional, Tuple
 
 import torch
 from torch import Tensor
 from torch.profiler import record_function
 
+from ..parallel.fsdp import reshard_gathered
+from ..parallel.groups import sum_over_ranks
 from .parts import TrainParts
 
 # (logits, targets) -> (summed item losses, correct predictions): a task's ``loss_terms``.
@@ -110,3 +113,25 @@ def train_step(
     if count != accum:
         raise ValueError(f"train_step: {count} micro-batches given, accum is {accum}")
     return apply_gradients(parts, clip)
+
+
+@torch.no_grad()
+def evaluate_totals(
+    parts: TrainParts,
+    batches: Iterable[Any],
+    loss_terms: LossTerms,
+    autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+) -> Tensor:
+    """(summed item losses, correct predictions) of held-out batches (each with ``inputs`` and ``targets``:
+    this rank's share), summed over ranks, on the host. No gradients and no copy of the weights: the dense
+    weights FSDP gathered for the last forward are released afterwards (the root keeps them gathered after a
+    forward, as training's backward follows at once; after evaluation nothing does)."""
+    parts.model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=parts.groups.device)
+    for batch in batches:
+        with autocast():
+            out = parts.model(**batch.inputs)
+        totals += torch.stack(loss_terms(out.logits, batch.targets)).double()
+    reshard_gathered(parts.model)
+    parts.model.train()
+    return sum_over_ranks(totals.cpu(), parts.groups, "eval all_reduce")  # NOTE: device-to-host sync (once)

@@ -103,18 +103,18 @@ def resume_and_report(out_dir, checkpoint, ep_size):
     from dynmoe_dist.train.loop import Trainer
 
     opened = []
-    original = ckpt.load_file
+    original = ckpt.read_tensors
 
-    def recording(path):
+    def recording(path, *args):
         opened.append(path.name)
-        return original(path)
+        return original(path, *args)
 
-    ckpt.load_file = recording
+    ckpt.read_tensors = recording
     try:
         trainer = Trainer(_config(out_dir, ep_size=ep_size))
         trainer.checkpoint_manager().resume(checkpoint)
     finally:
-        ckpt.load_file = original
+        ckpt.read_tensors = original
     return (
         [shard.placement.to_lists() for shard in trainer.parts.experts.shards],
         sorted(n for n in opened if n.startswith("experts")),
@@ -137,4 +137,4 @@ def test_resume_at_the_same_ep_size_keeps_the_saved_placement(checkpoint, tmp_pa
         assert [Placement.from_lists(p) for p in placements] == saved
         assert step == SAVE_AT
         # a rank opens exactly the files of the owners of the experts it holds
-        assert opened == [f"experts_ep{o}.pt" for o in owner_files_needed(saved, saved, ep_rank)]
+        assert opened == [f"experts_ep{o}.safetensors" for o in owner_files_needed(saved, saved, ep_rank)]

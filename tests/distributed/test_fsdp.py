@@ -3,7 +3,7 @@
 - every combination of parallel.dense_sharding and parallel.expert_sharding gives the single-process
   losses and expert counts through adaptive events (experts removed, added, moved, replicated) on 2 and
   4 ranks (ep 2: the expert-dp groups have 1 and 2 ranks), and 3 ranks for the dense-only case;
-- dense parameters really are sharded (each rank holds about 1/W of them);
+- dense parameters really are sharded (each rank holds about 1/W of them), and stay so after an evaluation;
 - expert sharding survives a rank whose experts get no rows for several steps;
 - activation checkpointing gives the same gradients and counts every routed token once;
 - checkpoints resume across sharding options (replicate -> fsdp -> replicate) with the uninterrupted losses.
@@ -64,7 +64,17 @@ def adaptive_run(dense, experts, ep_size, extra=()):
         events += [e for e in new if e["kind"] == "event" and (e["removed"] or e["added"] or e["replicas"])]
     dense = [p for _, p in dense_named_parameters(trainer.model, trainer.parts.experts.shards) if is_sharded(p)]
     dense_local, dense_total = sum(local(p).numel() for p in dense), sum(p.numel() for p in dense)
-    return dict(losses=losses, counts=counts, events=len(events), dense_local=dense_local, dense_total=dense_total)
+    sharded = {n for n, p in trainer.model.named_parameters() if is_sharded(p)}
+    trainer.evaluate()  # the end of a run: FSDP's root keeps its weights gathered after a forward; not here
+    gathered = sorted(sharded - {n for n, p in trainer.model.named_parameters() if is_sharded(p)})
+    return dict(
+        losses=losses,
+        counts=counts,
+        events=len(events),
+        dense_local=dense_local,
+        dense_total=dense_total,
+        gathered_after_evaluation=gathered,
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,6 +113,7 @@ def test_sharded_training_matches_one_process(world):
         _assert_losses(got["losses"], ref["losses"], label)
         for rank in per_rank[1:]:
             assert rank[index]["losses"] == got["losses"], label
+        assert all(r[index]["gathered_after_evaluation"] == [] for r in per_rank), label
         if dense == "fsdp":  # the ranks' shards partition the dense weights: about 1/W each
             shares = [r[index]["dense_local"] for r in per_rank]
             assert sum(shares) == got["dense_total"] > 0, label

@@ -8,6 +8,7 @@ Each world's group is spawned once for the module (one run_simulated call return
 
 import functools
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -17,6 +18,7 @@ from hf_tiny import STEPS, hf_settings, train_recorded, write_tiny_run  # noqa: 
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.parallel.simulate import run_simulated  # noqa: E402
+from dynmoe_dist.train.checkpoint_parts import read_expert_file  # noqa: E402
 
 
 def probe_ids():
@@ -98,7 +100,7 @@ def test_checkpoint_holds_each_logical_expert_once(world, reference):
     step_dir = results[0]["checkpoint"]
     experts = {}
     for r in range(size):
-        part = torch.load(f"{step_dir}/experts_ep{r}.pt", weights_only=False)
+        part = read_expert_file(Path(step_dir), r)
         assert not set(part) & set(experts), "an expert saved by two ranks"
         experts.update(part)
     final = reference["counts"][-1]

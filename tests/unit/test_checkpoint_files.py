@@ -5,12 +5,14 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file as safetensors_load
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from dynmoe_dist.config import load_config
 from dynmoe_dist.parallel.reshard import dense_named_parameters
 from dynmoe_dist.train import checkpoint as ckpt
 from dynmoe_dist.train.checkpoint import CheckpointError, complete_checkpoints
+from dynmoe_dist.train.checkpoint_parts import read_expert_file
 from dynmoe_dist.train.dense_state import read_metadata
 from dynmoe_dist.train.loop import Trainer
 
@@ -105,12 +107,35 @@ def test_missing_and_corrupt_checkpoints_name_the_file(tmp_path):
     (path / "dense" / ".metadata").write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match=r"dense/\.metadata is corrupt or unsafe"):
         _trainer(tmp_path).checkpoint_manager().resume(str(path))
+    experts = path / "experts_ep0.safetensors"  # the experts load first
+    experts.write_bytes(experts.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=f"{experts} is corrupt or unreadable"):
+        _trainer(tmp_path).checkpoint_manager().resume(str(path))
+    experts.unlink()
+    with pytest.raises(CheckpointError, match=f"{experts} does not exist"):
+        _trainer(tmp_path).checkpoint_manager().resume(str(path))
+
+
+def _saved_after_a_step(tmp_path):
+    t = _trainer(tmp_path)
+    t.train_step()
+    return t, t.checkpoint_manager().save(t.step)
+
+
+def test_expert_files_of_the_torch_save_layout_still_resume(tmp_path):
+    """Checkpoints written before experts were streamed hold experts_ep{r}.pt: read as before."""
+    t, path = _saved_after_a_step(tmp_path)
+    torch.save(read_expert_file(path, 0), path / "experts_ep0.pt")
+    (path / "experts_ep0.safetensors").unlink()
+    fresh = _trainer(tmp_path)
+    fresh.checkpoint_manager().resume(str(path))
+    for (n, a), (_, b) in zip(t.model.named_parameters(), fresh.model.named_parameters()):
+        assert torch.equal(a, b), n
+    assert sorted(ckpt.read_checkpoint_experts(path)) == ["0/0", "0/1", "0/2"]
 
 
 def test_checkpoint_of_the_old_one_file_layout_is_refused_by_name(tmp_path):
-    t = _trainer(tmp_path)
-    t.train_step()
-    path = t.checkpoint_manager().save(t.step)
+    _, path = _saved_after_a_step(tmp_path)
     shutil.rmtree(path / "dense")
     torch.save({"params": {}, "state": {}}, path / "dense.pt")
     with pytest.raises(CheckpointError, match=f"{path / 'dense.pt'} is in the old format"):
@@ -159,9 +184,9 @@ def test_checkpoint_files_load_with_weights_only(tmp_path):
     t = _trainer(tmp_path)
     t.train_step()
     path = t.checkpoint_manager().save(t.step)
-    assert sorted(f.name for f in path.iterdir()) == ["dense", "experts_ep0.pt", "meta.pt"]
-    loaded = {f.name: torch.load(f, weights_only=True) for f in path.glob("*.pt")}  # raises on any non-tensor pickle
-    meta, experts = loaded["meta.pt"], loaded["experts_ep0.pt"]
+    assert sorted(f.name for f in path.iterdir()) == ["dense", "experts_ep0.safetensors", "meta.pt"]
+    meta = torch.load(path / "meta.pt", weights_only=True)  # raises on any non-tensor pickle
+    experts = read_expert_file(path, 0)
     assert sorted(meta) == ["config", "format", "states", "step"]
     states = meta["states"]
     assert sorted(states) == ["dense", "experts", "model", "recorders", "trainer"]  # no adaptive controller here
@@ -180,12 +205,19 @@ def test_checkpoint_files_load_with_weights_only(tmp_path):
     for name, p in t.model.named_parameters():
         if name in dense_names:
             assert torch.equal(params[name], p.detach()), name
-    # experts_ep0.pt: keyed "layer/logical expert": 0/0, 0/1, 0/2, each with its weights and their state.
+    # experts_ep0.safetensors: keyed "layer/logical expert": 0/0, 0/1, 0/2, each with its weights and their
+    # state, equal to what the model and the optimizer hold; safetensors' own loader reads the same file.
     assert sorted(experts) == ["0/0", "0/1", "0/2"]
-    for entry in experts.values():
+    held = t.parts.experts.owned_tensors()
+    for key, entry in experts.items():
         assert sorted(entry) == ["params", "state"]
         assert sorted(entry["params"]) == sorted(entry["state"]) == ["b_in", "b_out", "w_in", "w_out"]
-        assert all(torch.is_tensor(v) for v in entry["params"].values())
+        for name, p in entry["params"].items():
+            assert torch.equal(p, held[key]["params"][name]), (key, name)
+        for name, state in entry["state"].items():
+            assert sorted(state) == sorted(ADAM_KEYS)
+            assert all(torch.equal(v, held[key]["state"][name][k]) for k, v in state.items()), (key, name)
+    assert len(safetensors_load(path / "experts_ep0.safetensors")) == 3 * 4 * (1 + len(ADAM_KEYS))
     # The project's loader reads the same files, and refuses one that holds an arbitrary pickled object.
     assert ckpt.load_file(path / "meta.pt")["step"] == 1
     evil = path / "experts_ep0.pt"

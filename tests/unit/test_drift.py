@@ -16,6 +16,7 @@ from hf_tiny import hf_model_settings, write_tiny_run  # noqa: E402  (tests/hf_t
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.experiments.drift import compare_table, layer_drift, main, run_drift  # noqa: E402
 from dynmoe_dist.train.checkpoint import read_checkpoint_dense  # noqa: E402
+from dynmoe_dist.train.checkpoint_parts import read_expert_file  # noqa: E402
 
 QUIET = ["output.progress=false", "output.tensorboard=false", "output.report=false"]
 
@@ -87,7 +88,7 @@ def test_moe_run_against_norms_of_the_saved_files(runs):
     root, model_dir, moe, _ = runs
     result = run_drift(moe)
     assert result["step"] == 3 and sorted(result["layers"]) == [1, 2]
-    saved = torch.load(next((moe / "checkpoints").glob("step_*")) / "experts_ep0.pt", weights_only=True)
+    saved = read_expert_file(next((moe / "checkpoints").glob("step_*")), 0)
     for index, block in enumerate([1, 2]):
         w0 = _pretrained_mlp(model_dir, block)
         drifts, trained = [], []

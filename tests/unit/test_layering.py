@@ -252,13 +252,16 @@ def test_checkpoints_adaptive_events_and_the_expert_set_never_see_the_trainer():
     assert not offenders, offenders
 
 
-def _calls_of(path: Path, function: str):
+def _calls_of(path: Path, function: str, by_name_only: bool = False):
     tree = ast.parse(path.read_text())
     return [
         node.lineno
         for node in ast.walk(tree)
         if isinstance(node, ast.Call)
-        and (getattr(node.func, "id", None) == function or getattr(node.func, "attr", None) == function)
+        and (
+            getattr(node.func, "id", None) == function
+            or (not by_name_only and getattr(node.func, "attr", None) == function)
+        )
     ]
 
 
@@ -276,8 +279,11 @@ def test_only_the_expert_set_commits_expert_changes():
     for path in _all_files():
         rel = str(path.relative_to(ROOT))
         for function, places in allowed.items():
-            if rel not in places and _calls_of(path, function):
-                offenders.append(f"{rel}:{_calls_of(path, function)} calls {function}")
+            # parallel/reshard.py's reshard is called by name; an FSDP module's own reshard() method (the
+            # gathered weights released after an evaluation, parallel/fsdp.py) is another function
+            calls = _calls_of(path, function, by_name_only=function == "reshard")
+            if rel not in places and calls:
+                offenders.append(f"{rel}:{calls} calls {function}")
     assert not offenders, offenders
 
 
