@@ -2,7 +2,9 @@
 conversation, transformers' block-diagonal mask through HFCausalLM) give the summed assistant-token loss and
 the gradients of every parameter that the conversations give one at a time, unpadded: in float32 to 1e-6 of
 each tensor's largest value, for an upcycled LLaMA and an imported Qwen3-MoE (its own routing, and converted
-to top-any); in float64 to 1e-12 (the packing is exact, float32 only sums in another order)."""
+to top-any); in float64 to 1e-12 (the packing is exact, float32 only sums in another order). Every decoder
+family the tests build either makes its attention block-diagonal from the position ids in transformers' own
+forward or is refused by task 'chat' in one line (gpt-oss builds its masks without them)."""
 
 import json
 import os
@@ -12,13 +14,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hf_tiny import WORDS, save_chat_tokenizer, tiny_model  # noqa: E402
+from hf_tiny import MOE_FAMILIES, WORDS, save_chat_tokenizer, tiny_model  # noqa: E402
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.data.chat import unpack  # noqa: E402
 from dynmoe_dist.data.packed import IGNORE  # noqa: E402
 from dynmoe_dist.models.build import build_model  # noqa: E402
 from dynmoe_dist.tasks import build_task  # noqa: E402
+from dynmoe_dist.tasks.chat import MASKS_WITHOUT_POSITIONS, check_packing_support  # noqa: E402
 from dynmoe_dist.train.parts import build_parts  # noqa: E402
 
 MAX_LEN = 40
@@ -124,3 +127,30 @@ def test_without_restarting_positions_the_conversations_would_see_each_other(fil
         packed, _ = task.loss_terms(model(**batch.inputs).logits, batch.targets)
         causal, _ = task.loss_terms(model(input_ids=batch.inputs["input_ids"]).logits, batch.targets)
     assert abs(float(packed) - float(causal)) > 20 * 1e-6 * abs(float(packed))
+
+
+DECODERS = ["llama", "qwen2", "mistral", "gpt2", "gpt_neox", *MOE_FAMILIES]
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_each_family_makes_attention_block_diagonal_from_position_ids_or_is_refused(family, tmp_path):
+    """transformers' own forward (float64, eager experts) on three examples packed with restarting position
+    ids against each alone: equal for every family chat accepts; different for those it refuses (if
+    transformers starts building their masks from the position ids, this fails: lift the refusal)."""
+    moe = {"experts_implementation": "eager"} if family in MOE_FAMILIES else {}
+    model = tiny_model(family, 64, **moe).double().eval()
+    lengths = [5, 7, 3]
+    examples = [torch.randint(2, 64, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        packed = model(input_ids=torch.cat(examples)[None], position_ids=positions, use_cache=False).logits[0]
+        alone = torch.cat([model(input_ids=e[None], use_cache=False).logits[0] for e in examples])
+    apart = float((packed - alone).abs().max()) <= 1e-12
+    model.save_pretrained(tmp_path)
+    if family in MASKS_WITHOUT_POSITIONS:
+        assert not apart
+        with pytest.raises(ValueError, match=f"transformers' {family} .* builds its attention mask without them"):
+            check_packing_support(str(tmp_path))
+    else:
+        assert apart
+        check_packing_support(str(tmp_path))
