@@ -62,6 +62,10 @@ def test_prompt_and_completion_are_a_user_and_an_assistant_turn(tokenizer_dir):
     tok = load_tokenizer(str(tokenizer_dir), "task.tokenizer")
     pair = tokenise_record(tok, None, {"prompt": "the cat sat", "completion": "on a mat", "messages": None})
     assert pair == tokenise_record(tok, None, {"messages": CONVERSATIONS[0]})
+    # TRL's conversational form: prompt and completion are lists of messages
+    turns = CONVERSATIONS[1]
+    listed = tokenise_record(tok, None, {"prompt": turns[:3], "completion": turns[3:]})
+    assert listed == tokenise_record(tok, None, {"messages": turns})
 
 
 def test_smollm2_chatml_template_masks_exactly_the_answers_and_im_end():
