@@ -155,12 +155,14 @@ def _check_keys(section: str, values: Dict[str, Any]) -> None:
 
 # The model decides these for every MoE layer; accepting them here would silently do nothing. Key -> where
 # the value comes from, for the message.
-DERIVED_MOE_KEYS = ("dim", "ffn_dim", "swiglu_alpha", "swiglu_limit")
+DERIVED_MOE_KEYS = ("dim", "ffn_dim", "swiglu_alpha", "swiglu_limit", "adapter_rank", "adapter_alpha")
 _DERIVED_FROM = {
     "dim": "model.dim for built models, the pre-trained block for minilm-sentiment; set model.dim instead",
     "ffn_dim": "model.ffn_dim for built models, the pre-trained block for minilm-sentiment; set model.ffn_dim instead",
     "swiglu_alpha": "the gpt-oss checkpoint's config",
     "swiglu_limit": "the gpt-oss checkpoint's config",
+    "adapter_rank": "LoRA's rank with 'routed_experts' among its targets (models/lora.py)",
+    "adapter_alpha": "LoRA's alpha with 'routed_experts' among its targets (models/lora.py)",
 }
 
 

@@ -199,6 +199,11 @@ class MoEConfig:
     """gpt_oss experts: the alpha of glu = gate * sigmoid(alpha * gate); taken from the checkpoint's config."""
     swiglu_limit: float = 7.0
     """gpt_oss experts: gate is clamped above at limit, up to [-limit, limit]; taken from the checkpoint's config."""
+    adapter_rank: int = 0
+    """LoRA: the rank r of one adapter per projection of every routed expert (A (r, in), B (out, r); the
+    expert's own weights frozen); 0 = no adapters. Set from the [lora] section (models/lora.py), not here."""
+    adapter_alpha: float = 0.0
+    """LoRA: the adapters' alpha (their output is scaled by alpha / rank). Set from the [lora] section."""
     target_k: float = 0.0
     """Top-any compute budget: the mean experts per token (all tokens of all ranks) that a controller holds
     each layer at, by moving every threshold of the layer together after each step, out of the gradient
@@ -269,6 +274,11 @@ class MoEConfig:
         _require(self.calibrate_k >= 0, f"calibrate_k ({self.calibrate_k}) must be >= 0")
         _require(self.calibrate_samples >= 1, f"calibrate_samples ({self.calibrate_samples}) must be >= 1")
         self.validate_budget()
+        _require(self.adapter_rank >= 0, f"adapter_rank ({self.adapter_rank}) must be >= 0")
+        _require(
+            self.adapter_rank == 0 or self.adapter_alpha > 0,
+            f"adapter_alpha ({self.adapter_alpha}) must be > 0 with adapter_rank {self.adapter_rank}",
+        )
         _require(self.combine in COMBINE_MODES, f"combine ({self.combine!r}) must be one of {COMBINE_MODES}")
         _require(
             self.expert_compute in EXPERT_COMPUTE,

@@ -13,7 +13,8 @@ BERT/GPT-2/ViT style), 'gated' (``GatedFeedForward``: (act(x W_gate) * x W_in) W
 LLaMA/Qwen2/Mistral gate_proj/up_proj/down_proj block, also every fused-expert MoE family but gpt-oss) and
 'gpt_oss' (``GptOssFeedForward``: gpt-oss's clamped SwiGLU with biases). Everything that moves or saves
 experts goes through ``new_expert`` and ``expert_param_specs``, so migration, replication and checkpoints
-handle all three.
+handle all three. Under LoRA (``MoEConfig.adapter_rank``) every expert carries its adapters as its own
+parameters (moe/adapters.py), so those paths carry them too.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels.grouped_gemm import grouped_mm
+from .adapters import add_adapters, grouped_side_deltas, plus, side_deltas
 from .config import MoEConfig
 
 # 'gelu_tanh' is GPT-2's gelu_new / HF's gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
@@ -53,9 +55,10 @@ class FeedForward(nn.Module):
 
     def forward(self, rows_RD: Tensor) -> Tensor:
         dtype = rows_RD.dtype
-        hidden_RF = F.linear(rows_RD, self.w_in.to(dtype), _cast(self.b_in, dtype))
+        (delta_RF,) = side_deltas(self, "in", rows_RD)
+        hidden_RF = plus(F.linear(rows_RD, self.w_in.to(dtype), _cast(self.b_in, dtype)), delta_RF)
         hidden_RF = ACTIVATION_FNS[self.activation](hidden_RF)
-        return F.linear(hidden_RF, self.w_out.to(dtype), _cast(self.b_out, dtype))
+        return _linear_out(self, hidden_RF)
 
 
 class GatedFeedForward(nn.Module):
@@ -76,10 +79,11 @@ class GatedFeedForward(nn.Module):
 
     def forward(self, rows_RD: Tensor) -> Tensor:
         dtype = rows_RD.dtype
-        gate_RF = F.linear(rows_RD, self.w_gate.to(dtype), _cast(self.b_gate, dtype))
-        up_RF = F.linear(rows_RD, self.w_in.to(dtype), _cast(self.b_in, dtype))
+        gate_delta_RF, up_delta_RF = side_deltas(self, "in", rows_RD, parts=2)
+        gate_RF = plus(F.linear(rows_RD, self.w_gate.to(dtype), _cast(self.b_gate, dtype)), gate_delta_RF)
+        up_RF = plus(F.linear(rows_RD, self.w_in.to(dtype), _cast(self.b_in, dtype)), up_delta_RF)
         hidden_RF = ACTIVATION_FNS[self.activation](gate_RF) * up_RF
-        return F.linear(hidden_RF, self.w_out.to(dtype), _cast(self.b_out, dtype))
+        return _linear_out(self, hidden_RF)
 
 
 def clamped_swiglu(gate_RF: Tensor, up_RF: Tensor, alpha: float, limit: float) -> Tensor:
@@ -112,10 +116,11 @@ class GptOssFeedForward(nn.Module):
 
     def forward(self, rows_RD: Tensor) -> Tensor:
         dtype = rows_RD.dtype
-        gate_RF = F.linear(rows_RD, self.w_gate.to(dtype), self.b_gate.to(dtype))
-        up_RF = F.linear(rows_RD, self.w_in.to(dtype), self.b_in.to(dtype))
+        gate_delta_RF, up_delta_RF = side_deltas(self, "in", rows_RD, parts=2)
+        gate_RF = plus(F.linear(rows_RD, self.w_gate.to(dtype), self.b_gate.to(dtype)), gate_delta_RF)
+        up_RF = plus(F.linear(rows_RD, self.w_in.to(dtype), self.b_in.to(dtype)), up_delta_RF)
         hidden_RF = clamped_swiglu(gate_RF, up_RF, self.alpha, self.limit)
-        return F.linear(hidden_RF, self.w_out.to(dtype), self.b_out.to(dtype))
+        return _linear_out(self, hidden_RF)
 
 
 Expert = Union[FeedForward, GatedFeedForward, GptOssFeedForward]
@@ -130,15 +135,28 @@ def _cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     return None if t is None else t.to(dtype)
 
 
+def _linear_out(expert: Expert, hidden_RF: Tensor) -> Tensor:
+    """The output projection of any expert kind, its adapter's delta added."""
+    dtype = hidden_RF.dtype
+    (delta_RD,) = side_deltas(expert, "out", hidden_RF)
+    return plus(F.linear(hidden_RF, expert.w_out.to(dtype), _cast(expert.b_out, dtype)), delta_RD)
+
+
 def new_expert(config: MoEConfig) -> Expert:
+    """An expert of the config's kind; with ``adapter_rank`` its weights frozen and LoRA adapters beside them."""
+    expert: Expert
     if config.expert_kind == "gpt_oss":
-        return GptOssFeedForward(
+        expert = GptOssFeedForward(
             config.dim, config.ffn_dim, alpha=config.swiglu_alpha, limit=config.swiglu_limit, init_std=config.init_std
         )
-    cls = FeedForward if config.expert_kind == "ffn" else GatedFeedForward
-    return cls(
-        config.dim, config.ffn_dim, bias=config.expert_bias, activation=config.activation, init_std=config.init_std
-    )
+    else:
+        cls = FeedForward if config.expert_kind == "ffn" else GatedFeedForward
+        expert = cls(
+            config.dim, config.ffn_dim, bias=config.expert_bias, activation=config.activation, init_std=config.init_std
+        )
+    if config.adapter_rank > 0:
+        add_adapters(expert, config.adapter_rank, config.adapter_alpha, gated=config.expert_kind != "ffn")
+    return expert
 
 
 def autocast_rows(rows_RD: Tensor) -> Tensor:
@@ -158,6 +176,13 @@ def expert_param_specs(config: MoEConfig) -> List[Tuple[str, torch.Size]]:
 
 def expert_param_shapes(config: MoEConfig) -> List[torch.Size]:
     return [shape for _, shape in expert_param_specs(config)]
+
+
+def expert_trainable_shapes(config: MoEConfig) -> List[torch.Size]:
+    """Shapes of the parameters of one expert that train (all of them, or only its adapters under LoRA), in
+    parameters() order: the gradients one expert has."""
+    with torch.device("meta"):
+        return [p.shape for p in new_expert(config).parameters() if p.requires_grad]
 
 
 def expert_with(params: Sequence[Tensor], config: MoEConfig) -> Expert:
@@ -254,15 +279,20 @@ class ExpertBank(nn.Module):
         )  # the size is known: no sync
         config = self.config  # one config for the whole bank
         act = ACTIVATION_FNS[config.activation]
-        hidden_RF = self._project(rows_RD, "w_in", "b_in", offs_e, slot_R)
-        if config.expert_kind == "gated":
-            hidden_RF = act(self._project(rows_RD, "w_gate", "b_gate", offs_e, slot_R)) * hidden_RF
-        elif config.expert_kind == "gpt_oss":
-            gate_RF = self._project(rows_RD, "w_gate", "b_gate", offs_e, slot_R)
-            hidden_RF = clamped_swiglu(gate_RF, hidden_RF, config.swiglu_alpha, config.swiglu_limit)
+        experts = list(self.experts)
+        if config.expert_kind == "ffn":
+            (delta_RF,) = grouped_side_deltas(experts, "in", rows_RD, offs_e)
+            hidden_RF = act(plus(self._project(rows_RD, "w_in", "b_in", offs_e, slot_R), delta_RF))
         else:
-            hidden_RF = act(hidden_RF)
-        return self._project(hidden_RF, "w_out", "b_out", offs_e, slot_R)
+            gate_delta_RF, up_delta_RF = grouped_side_deltas(experts, "in", rows_RD, offs_e, parts=2)
+            up_RF = plus(self._project(rows_RD, "w_in", "b_in", offs_e, slot_R), up_delta_RF)
+            gate_RF = plus(self._project(rows_RD, "w_gate", "b_gate", offs_e, slot_R), gate_delta_RF)
+            if config.expert_kind == "gated":
+                hidden_RF = act(gate_RF) * up_RF
+            else:
+                hidden_RF = clamped_swiglu(gate_RF, up_RF, config.swiglu_alpha, config.swiglu_limit)
+        (delta_RD,) = grouped_side_deltas(experts, "out", hidden_RF, offs_e)
+        return plus(self._project(hidden_RF, "w_out", "b_out", offs_e, slot_R), delta_RD)
 
     def _project(self, rows_RK: Tensor, weight: str, bias: str, offs_e: Tensor, slot_R: Tensor) -> Tensor:
         """rows @ W_e^T (+ b_e) for every segment, one grouped matmul over the stacked (e, K, N) weights."""

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
-from ..moe.experts import expert_param_shapes
+from ..moe.experts import expert_trainable_shapes
 from .fsdp import is_sharded, local
 from .groups import ParallelGroups, named, sum_over_ranks
 from .shard import LayerShard
@@ -149,7 +149,7 @@ class GradSync:
 
     def _local_shapes(self, shard: LayerShard) -> List[torch.Size]:
         """Shapes of this rank's part of one expert's gradients (FSDP cuts dim 0 in expert-dp chunks)."""
-        shapes = expert_param_shapes(shard.layer.config)
+        shapes = expert_trainable_shapes(shard.layer.config)  # frozen weights (LoRA's base) have no gradient
         if not self.experts_sharded:
             return shapes
         size, index = self.groups.dp_size, self.groups.dp_rank

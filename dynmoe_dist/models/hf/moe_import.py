@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from ...moe.adapters import is_adapter
 from ...moe.config import MoEConfig
 from ...moe.experts import ExpertBank, expert_param_specs, expert_with
 from ...moe.layer import MoELayer, NativeRouter, TopAnyRouter
@@ -50,7 +51,7 @@ def converted_layer(family: MoEFamily, mlp: nn.Module, config: MoEConfig) -> MoE
     """An MoE layer computing ``mlp``'s routed experts: one expert per fused slice, the router converted."""
     fused = {key: mlp.get_parameter(key) for key in family.fused_keys()}
     like = fused["experts.gate_up_proj"]
-    names = [name for name, _ in expert_param_specs(config)]
+    names = [name for name, _ in expert_param_specs(config) if not is_adapter(name)]  # LoRA's come after: drawn later
     experts = [
         expert_with([tensors[n].detach() for n in names], config)
         for tensors in (family.expert_tensors(fused, e) for e in range(config.num_experts))

@@ -1,0 +1,190 @@
+"""LoRA finetuning of a model: the ``[lora]`` options, adapters on the targeted projections, the rest frozen.
+
+Shape legend: r rank, K a projection's input features, N its output features.
+
+Targets, by name (``TARGETS``): the attention projections, the dense MLPs (decoder layers without experts),
+the routed experts (one adapter per expert and projection: moe/adapters.py, made by the MoE layers
+themselves from ``MoEConfig.adapter_rank``, which ``expert_config`` sets) and the shared experts. A dense
+projection keeps its module and its parameter names (so a checkpoint reads the base by its own keys): its
+adapter is two parameters ``lora_a`` (r, K) and ``lora_b`` (N, r) registered on the nn.Linear, whose
+forward hook adds (alpha / r) (x A^T) B^T, PEFT's ``lora.Linear`` in another form. Every other parameter is
+frozen (no gradient, hence no optimizer state and no gradient all-reduce: train/optim.py and
+parallel/grads.py take only what requires a gradient), the routers too unless ``router = 'trainable'``.
+
+Adapters are drawn (``init_adapters``) by name from the seed: a dense adapter by its module's name, an
+expert's by its MoE layer and logical id, so every world size and expert placement starts from the same
+numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+from typing import Dict, List, Sequence, Tuple, cast
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from ..moe.adapters import has_adapters, init_adapter, init_expert_adapters, is_adapter, lora_delta, scaling
+from ..moe.config import MoEConfig, _require
+from ..moe.experts import expert_key
+from ..moe.layer import MoELayer
+from .source import HeldExperts
+
+# target -> what it adapts (the message of a target that names nothing lists the ones that exist)
+TARGETS = {
+    "attention": "the attention projections (every nn.Linear under a decoder layer's self_attn)",
+    "dense_mlp": "the MLPs of the decoder layers without experts",
+    "routed_experts": "every routed expert, one adapter per expert and projection (gate and up share one)",
+    "shared_experts": "the always-on shared experts (DeepSeek-V3's shared_experts, Qwen2-MoE's shared_expert)",
+}
+ROUTER_MODES = ("frozen", "trainable")
+BASE_DTYPES = ("run",)
+_SHARED = (".shared_experts.", ".shared_expert.")
+
+
+@dataclass
+class LoraConfig:
+    """The ``[lora]`` options: which projections get adapters and how they start."""
+
+    rank: int = 8
+    """Rank r of every adapter: A (r, in), B (out, r). At most the smallest dimension of a targeted weight."""
+    alpha: float = 16.0
+    """The adapters' output is scaled by alpha / rank (PEFT's lora_alpha)."""
+    targets: Tuple[str, ...] = tuple(TARGETS)
+    """What gets adapters, by name: 'attention', 'dense_mlp', 'routed_experts', 'shared_experts'. Each must name
+    something in the model."""
+    router: str = "frozen"
+    """The routers: 'frozen' (PEFT's default: the routing of the base stays) or 'trainable' (trained in full)."""
+    base_dtype: str = "run"
+    """The frozen base's dtype: 'run' (train.precision's). ('bfloat16' and 'nf4', QLoRA, are not supported yet.)"""
+
+    def __post_init__(self) -> None:
+        self.targets = tuple(self.targets)
+        _require(self.rank >= 1, f"lora.rank ({self.rank}) must be >= 1")
+        _require(self.alpha > 0, f"lora.alpha ({self.alpha}) must be > 0")
+        _require(bool(self.targets), f"lora.targets ({list(self.targets)}) must name at least one of {tuple(TARGETS)}")
+        for target in self.targets:
+            _require(target in TARGETS, f"lora.targets entry ({target!r}) must be one of {tuple(TARGETS)}")
+        _require(len(set(self.targets)) == len(self.targets), f"lora.targets ({list(self.targets)}) repeats a name")
+        _require(self.router in ROUTER_MODES, f"lora.router ({self.router!r}) must be one of {ROUTER_MODES}")
+        _require(
+            self.base_dtype != "nf4",
+            "lora.base_dtype ('nf4'): QLoRA (a 4-bit base) is not supported yet; use 'run'",
+        )
+        _require(self.base_dtype in BASE_DTYPES, f"lora.base_dtype ({self.base_dtype!r}) must be one of {BASE_DTYPES}")
+
+
+def expert_config(moe: MoEConfig, lora: LoraConfig) -> MoEConfig:
+    """``moe`` with the routed experts' adapters (none when 'routed_experts' is no target): build the model with it."""
+    if "routed_experts" not in lora.targets:
+        return replace(moe, adapter_rank=0, adapter_alpha=0.0)
+    return replace(moe, adapter_rank=lora.rank, adapter_alpha=lora.alpha)
+
+
+def dense_targets(model: nn.Module) -> Dict[str, List[Tuple[str, nn.Linear]]]:
+    """Dense target -> (qualified name, nn.Linear) of what it names in ``model`` (empty lists included)."""
+    found: Dict[str, List[Tuple[str, nn.Linear]]] = {"attention": [], "dense_mlp": [], "shared_experts": []}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        dotted = f".{name}."
+        if ".self_attn." in dotted:
+            found["attention"].append((name, module))
+        elif any(s in dotted for s in _SHARED):
+            found["shared_experts"].append((name, module))
+        elif ".mlp." in dotted:
+            found["dense_mlp"].append((name, module))
+    return found
+
+
+def moe_layers(model: nn.Module) -> List[MoELayer]:
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def apply_lora(model: nn.Module, lora: LoraConfig) -> None:
+    """Adapters on every dense target, every parameter that is no adapter frozen (routers as ``lora.router``
+    says). The MoE layers must have been built with ``expert_config``. One-line ValueErrors, before anything
+    changes: a target that names nothing (listing those that exist), a rank above a target's smallest dimension."""
+    dense = dense_targets(model)
+    layers = moe_layers(model)
+    present = [t for t in TARGETS if (dense[t] if t in dense else layers)]
+    for target in lora.targets:
+        if target not in present:
+            raise ValueError(
+                f"lora.targets entry ({target!r}) names nothing in this model; it has: {', '.join(present)}"
+            )
+    if "routed_experts" in lora.targets:
+        _check_expert_adapters(layers, lora)
+    chosen = [(name, linear) for t in lora.targets if t in dense for name, linear in dense[t]]
+    for name, linear in chosen:
+        _check_rank(lora.rank, name, tuple(linear.weight.shape))
+    for _, linear in chosen:
+        add_dense_adapter(linear, lora.rank, lora.alpha)
+    freeze_base(model, lora.router == "trainable")
+
+
+def _check_rank(rank: int, name: str, shape: Tuple[int, ...]) -> None:
+    if rank > min(shape):
+        raise ValueError(f"lora.rank ({rank}) is above the smallest dimension of {name} {shape} ({min(shape)})")
+
+
+def _check_expert_adapters(layers: Sequence[MoELayer], lora: LoraConfig) -> None:
+    for layer in layers:
+        config = layer.config
+        if config.adapter_rank != lora.rank:
+            raise ValueError(
+                f"the MoE layers were built with adapter_rank {config.adapter_rank}, lora.rank is {lora.rank}: "
+                "build them with models.lora.expert_config"
+            )
+        _check_rank(lora.rank, "a routed expert", (config.dim, config.ffn_dim))
+
+
+def add_dense_adapter(linear: nn.Linear, rank: int, alpha: float) -> None:
+    """``lora_a`` (r, K) and ``lora_b`` (N, r) on ``linear`` (zeros until ``init_adapters``), added by a hook."""
+    out_features, in_features = linear.weight.shape
+    like = linear.weight
+    linear.lora_a = nn.Parameter(torch.zeros(rank, in_features, device=like.device, dtype=like.dtype))
+    linear.lora_b = nn.Parameter(torch.zeros(out_features, rank, device=like.device, dtype=like.dtype))
+    linear.lora_scaling = alpha / rank  # type: ignore[assignment]
+    linear.register_forward_hook(_add_lora_delta)
+
+
+def _add_lora_delta(linear: nn.Module, args: Tuple[Tensor, ...], out_N: Tensor) -> Tensor:
+    return out_N + lora_delta(args[0], cast(Tensor, linear.lora_a), cast(Tensor, linear.lora_b), scaling(linear))
+
+
+def freeze_base(model: nn.Module, train_router: bool) -> None:
+    """Only adapters (and, with ``train_router``, the routers) keep requires_grad."""
+    routers = {id(p) for layer in moe_layers(model) for p in layer.router.parameters()} if train_router else set()
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name) or id(p) in routers)
+
+
+def held_experts(model: nn.Module) -> List[HeldExperts]:
+    """Every expert of a model that holds all of them (one process): slot i is logical expert i."""
+    return [
+        (index, range(len(layer.experts)), list(layer.experts.experts)) for index, layer in enumerate(moe_layers(model))
+    ]
+
+
+def init_adapters(model: nn.Module, seed: int, held: Sequence[HeldExperts]) -> None:
+    """Draw every adapter (PEFT's init: A kaiming-uniform, B zero) from ``seed`` and its name: a dense one by its
+    module's name, an expert's by 'MoE layer/logical id' (``held``: this rank's experts), whatever the world."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and hasattr(module, "lora_a"):
+            init_adapter(cast(Tensor, module.lora_a), cast(Tensor, module.lora_b), _generator(seed, name))
+    for layer, logical_ids, modules in held:
+        for expert, module in zip(logical_ids, modules):
+            if has_adapters(module):
+                init_expert_adapters(module, _generator(seed, expert_key(layer, expert)))
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def trainable_names(model: nn.Module) -> List[str]:
+    return [name for name, p in model.named_parameters() if p.requires_grad]
