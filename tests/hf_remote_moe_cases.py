@@ -28,7 +28,7 @@ KEEP = [0, 2, 3, 5]  # of the 6 experts of the first MoE layer
 # 2 of the 27 sample tokens select none, 2 exactly one and 2 several (measured).
 THRESHOLD_RANGE = (0.0, 0.5)
 # families whose cosines sit elsewhere at these sizes take their own range (measured the same way)
-FAMILY_THRESHOLD_RANGE = {"glm4_moe": (0.01, 0.3)}
+FAMILY_THRESHOLD_RANGE = {"glm4_moe": (0.01, 0.3), "mistral4": (0.04, 0.62)}
 THRESHOLD_SHIFT = 0.05
 # gpt-oss's clamp must bite at these sizes (the stock limit, 7, never does), and alpha be no default value
 OVERRIDES = {"gpt_oss": {"swiglu_alpha": 1.5, "swiglu_limit": 1.0}}

@@ -86,6 +86,16 @@ MOE_FAMILIES = {
         {**DECODER, "intermediate_size": MOE_FFN, "num_local_experts": NUM_EXPERTS, **_MOE}
         | {"head_dim": 8, "bos_token_id": None, "eos_token_id": 1},  # its own ids lie outside a tiny vocabulary
     ),
+    "mistral4": (
+        "Mistral4Config",
+        "Mistral4ForCausalLM",
+        {**DECODER, "moe_intermediate_size": MOE_FFN, "n_routed_experts": NUM_EXPERTS, **_MOE}
+        | {"num_key_value_heads": 2}  # multi-head latent attention: as many key/value heads as heads
+        | {"n_shared_experts": 1, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1}
+        | {"routed_scaling_factor": 2.5, "norm_topk_prob": True}
+        | {"kv_lora_rank": 8, "q_lora_rank": None, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8}
+        | {"bos_token_id": None, "eos_token_id": 1, "pad_token_id": None},  # its own ids: a tiny vocabulary's
+    ),
 }
 # family -> (config class, model class, config fields)
 FAMILIES = {
@@ -162,6 +172,7 @@ EXPERT_COUNT_KEY = {
     "gpt_oss": "num_local_experts",
     "glm4_moe": "n_routed_experts",
     "minimax_m2": "num_local_experts",
+    "mistral4": "n_routed_experts",
 }
 
 

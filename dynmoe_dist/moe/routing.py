@@ -223,6 +223,8 @@ class NativeRule:
       DeepSeek-V3  sigmoid  top-k of scores + correction bias, within   renormalised if norm_topk_prob,
                             the top_groups groups of largest top-2 sum  times scaling_factor
       gpt-oss      logits   top-k logits (router with a bias)           softmax over the chosen logits
+      Mistral 4    softmax  top-k scores within the top_groups groups   renormalised if norm_topk_prob,
+                            of largest top-2 sum                        times scaling_factor
     """
 
     top_k: int
@@ -233,7 +235,7 @@ class NativeRule:
     """Combine weights of the chosen experts: 'scores' (their scores), 'renormalised' (divided by their sum) or
     'softmax' (a softmax over the chosen scores)."""
     num_groups: int = 1
-    """Expert groups (DeepSeek's n_group): experts e*E/G .. (e+1)*E/G - 1 form group e."""
+    """Expert groups (DeepSeek's and Mistral 4's n_group): experts e*E/G .. (e+1)*E/G - 1 form group e."""
     top_groups: int = 1
     """Groups a token may choose from (DeepSeek's topk_group), those with the largest sum of their top-2 scores."""
     scaling_factor: float = 1.0
@@ -262,8 +264,11 @@ class NativeRule:
             raise ValueError(
                 f"NativeRule.top_groups ({self.top_groups}) must be in [1, num_groups ({self.num_groups})]"
             )
-        if self.num_groups > 1 and self.scores != "sigmoid":
-            raise ValueError(f"NativeRule.num_groups ({self.num_groups}) > 1 needs scores 'sigmoid' (DeepSeek's rule)")
+        if self.num_groups > 1 and self.scores == "logits":
+            raise ValueError(
+                f"NativeRule.num_groups ({self.num_groups}) > 1 needs scores 'sigmoid' or 'softmax' (DeepSeek's, "
+                "Mistral 4's rules)"
+            )
         if self.correction_bias and self.scores != "sigmoid":
             raise ValueError("NativeRule.correction_bias needs scores 'sigmoid' (DeepSeek's rule)")
         if self.aux_loss_coef < 0:
@@ -310,12 +315,16 @@ def _chosen(logits_TE: Tensor, rule: NativeRule, correction_E: Optional[Tensor])
         top_TK, index_TK = torch.topk(logits_TE, rule.top_k, dim=-1)
         return logits_TE, top_TK, index_TK
     score_dtype = logits_TE.dtype if rule.precision == "model" else torch.float32
-    if rule.scores == "softmax":
+    if rule.scores == "softmax" and rule.num_groups == 1:
         scores_TE = torch.softmax(logits_TE, dim=-1, dtype=score_dtype)
         top_TK, index_TK = torch.topk(scores_TE, rule.top_k, dim=-1)
         return scores_TE, top_TK, index_TK
-    # sigmoid (DeepSeek): choose by scores + correction bias (within the best groups), weigh by the scores
-    scores_TE = logits_TE.to(score_dtype).sigmoid()
+    # sigmoid (DeepSeek), or softmax within groups (Mistral 4): choose by scores + correction bias (within the
+    # best groups), weigh by the scores
+    if rule.scores == "softmax":
+        scores_TE = torch.softmax(logits_TE, dim=-1, dtype=score_dtype)
+    else:
+        scores_TE = logits_TE.to(score_dtype).sigmoid()
     choice_TE = scores_TE if correction_E is None else scores_TE + correction_E
     if rule.num_groups > 1:
         choice_TE = group_limited(choice_TE, rule.num_groups, rule.top_groups)

@@ -22,7 +22,7 @@ NUM_EXPERTS = 8
 # Every family in the slow run; in the default suite the two with the most parts: Qwen2-MoE (a shared
 # expert scaled by its gate, renormalisation off) and DeepSeek-V3 (sigmoid scores, correction bias,
 # group-limited top-k, scaling factor, shared experts, a dense first layer).
-ALL = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "minimax_m2")
+ALL = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "minimax_m2", "mistral4")
 
 
 def settings(root, family, world, *extra):

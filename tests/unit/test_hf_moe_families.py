@@ -19,7 +19,7 @@ import safetensors  # noqa: E402
 import torch  # noqa: E402
 from hf_tiny import MOE_FAMILIES, MOE_FFN, NUM_EXPERTS, randomize, tiny_model  # noqa: E402
 
-from dynmoe_dist.models.hf.families import family_of, sparse_block_prefixes  # noqa: E402
+from dynmoe_dist.models.hf.families import causal_lm_class, family_of, sparse_block_prefixes  # noqa: E402
 from dynmoe_dist.models.hf.moe_import import import_moe  # noqa: E402
 from dynmoe_dist.models.hf.safetensors_reader import CheckpointReader, read_all  # noqa: E402
 from dynmoe_dist.models.hf.stock_layout import imported_blocks, save_stock, stock_state_dict  # noqa: E402
@@ -138,9 +138,11 @@ def test_generate_gives_transformers_tokens(family):
 
 # -- the stock layout written back -------------------------------------------------------------------
 def load_stock(directory):
-    from transformers import AutoModelForCausalLM
+    """Plain transformers' load (AutoModelForCausalLM; Mistral 4, which its mapping leaves out, by its class)."""
+    from transformers import AutoConfig
 
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64, experts_implementation="eager")
+    cls = causal_lm_class(AutoConfig.from_pretrained(directory))
+    return cls.from_pretrained(directory, dtype=torch.float64, experts_implementation="eager")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -227,7 +229,7 @@ class Spy:
     "family, how",
     [("qwen2_moe", "save_pretrained"), ("mixtral", "save_pretrained"), ("gpt_oss", "save_pretrained")]
     + [("deepseek_v3", "state_dict")]
-    + [(family, "save_pretrained") for family in ("glm4_moe", "minimax_m2")],
+    + [(family, "save_pretrained") for family in ("glm4_moe", "minimax_m2", "mistral4")],
 )
 def test_reader_reads_one_expert_and_nothing_of_the_others(family, how, tmp_path, monkeypatch):
     # save_pretrained writes one key per expert (gpt-oss: fused tensors), sharded here; a state_dict saved as

@@ -40,7 +40,7 @@ from dynmoe_dist.moe.routing import top_any  # noqa: E402
 # The three with a block of their own by default; the plain routed blocks and the families whose block one of
 # those three has are marked slow, each in a run of its own.
 DEFAULT = ("qwen2_moe", "deepseek_v3", "gpt_oss")
-SLOW = ("mixtral", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2")
+SLOW = ("mixtral", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2", "mistral4")
 FAMILIES = [*DEFAULT, *(pytest.param(f, marks=pytest.mark.slow) for f in SLOW)]
 TOL = {torch.float64: 1e-10, torch.float32: 1e-6}
 RESAVED = "qwen2_moe"  # the fine-tuner's save_pretrained round trip, on a family with stock shared modules

@@ -42,7 +42,9 @@ def text_file_here(tmp_path_factory):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_run_reads_the_checkpoint_as_transformers_loads_it(family, tmp_path, text_file_here):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from dynmoe_dist.models.hf.families import causal_lm_class
 
     directory, vocab = save_moe_checkpoint(family, tmp_path / family)
     config = load_config(None, run_settings(directory, text_file_here))
@@ -51,7 +53,8 @@ def test_the_run_reads_the_checkpoint_as_transformers_loads_it(family, tmp_path,
     assert all(p.is_meta for p in source.model.parameters())  # nothing read before the experts are placed
     parts = build_parts(config, source)
     assert not any(p.is_meta for p in parts.model.parameters())
-    theirs = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float64, experts_implementation="eager")
+    cls = causal_lm_class(AutoConfig.from_pretrained(str(directory)))  # Mistral 4: its own class
+    theirs = cls.from_pretrained(str(directory), dtype=torch.float64, experts_implementation="eager")
     ids = torch.randint(2, vocab, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = parts.model.eval()(ids).logits

@@ -113,7 +113,7 @@ def test_weights_carry_gradient_to_the_router_only_through_the_chosen_scores():
         (dict(top_k=2, precision="bf16"), r"NativeRule.precision \('bf16'\) must be one of"),
         (dict(top_k=0), r"NativeRule.top_k \(0\) must be >= 1"),
         (dict(top_k=2, scores="sigmoid", num_groups=2, top_groups=3), r"top_groups \(3\) must be in \[1, num_groups"),
-        (dict(top_k=2, num_groups=2), r"num_groups \(2\) > 1 needs scores 'sigmoid'"),
+        (dict(top_k=2, scores="logits", num_groups=2), r"num_groups \(2\) > 1 needs scores 'sigmoid' or 'softmax'"),
         (dict(top_k=2, correction_bias=True), r"correction_bias needs scores 'sigmoid'"),
         (dict(top_k=2, aux_loss_coef=-1.0), r"aux_loss_coef \(-1.0\) must be >= 0"),
     ],

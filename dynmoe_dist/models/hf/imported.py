@@ -26,7 +26,7 @@ from torch import Tensor
 from ...moe.config import MoEConfig
 from ...moe.layer import TopAnyRouter, dense_state_tensors
 from ...moe.routing import NativeRule
-from .families import MoEFamily, family_of, sparse_block_prefixes
+from .families import MoEFamily, family_of, new_causal_lm, sparse_block_prefixes
 from .moe_import import import_moe
 from .safetensors_reader import CheckpointReader
 
@@ -47,12 +47,12 @@ def build_empty(directory: Path, gguf_file: Optional[str] = None) -> nn.Module:
     the meta device, buffers real (the rotary frequencies are computed from the config), tied weights tied,
     in training mode."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     config = AutoConfig.from_pretrained(str(directory), local_files_only=True, **extra)
     with init_empty_weights(include_buffers=False):
-        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        hf = new_causal_lm(config, dtype=torch.float32)
     # Tied outside the context: inside, accelerate wraps every parameter set on a module anew (untying it)
     hf.tie_weights()
     if gguf_file is None and (directory / "generation_config.json").is_file():  # as from_pretrained reads it

@@ -20,13 +20,15 @@ from .deepseek_v3 import DeepSeekV3
 from .glm4_moe import Glm4Moe
 from .gpt_oss import GptOss
 from .minimax_m2 import MiniMaxM2
+from .mistral4 import Mistral4
 from .mixtral import Mixtral
 from .olmoe import OLMoE
 from .qwen2_moe import Qwen2MoE
 from .qwen3_moe import Qwen3MoE
 
 FAMILIES: Dict[str, Type[MoEFamily]] = {
-    cls.model_type: cls for cls in (Mixtral, Qwen2MoE, Qwen3MoE, OLMoE, DeepSeekV3, GptOss, Glm4Moe, MiniMaxM2)
+    cls.model_type: cls
+    for cls in (Mixtral, Qwen2MoE, Qwen3MoE, OLMoE, DeepSeekV3, GptOss, Glm4Moe, MiniMaxM2, Mistral4)
 }
 SUPPORTED_MOE = tuple(FAMILIES)
 
@@ -46,6 +48,23 @@ def family_of(model_or_config: Any) -> MoEFamily:
 def is_family(model_type: str) -> bool:
     """Whether ``model_type`` is an MoE family this project imports (else a dense base, or unsupported)."""
     return model_type in FAMILIES
+
+
+def causal_lm_class(config: Any) -> Any:
+    """transformers' class that builds and loads ``config``'s causal LM: AutoModelForCausalLM, or a family's own
+    class where that mapping leaves the family out (Mistral 4 in transformers 5.25)."""
+    import transformers
+
+    family = FAMILIES.get(str(getattr(config, "model_type", "")))
+    if family is not None and family.causal_lm is not None:
+        return getattr(transformers, family.causal_lm)
+    return transformers.AutoModelForCausalLM
+
+
+def new_causal_lm(config: Any, **kwargs: Any) -> Any:
+    """``config``'s causal LM, freshly initialised (``from_config``), by ``causal_lm_class``."""
+    cls = causal_lm_class(config)
+    return cls.from_config(config, **kwargs) if hasattr(cls, "from_config") else cls._from_config(config, **kwargs)
 
 
 def block_prefix(model: nn.Module, layer: int) -> str:

@@ -12,7 +12,7 @@ needs nothing there. Plain models: no parallel code here.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, ClassVar, Dict, List
+from typing import Any, ClassVar, Dict, List, Optional
 
 import torch.nn as nn
 
@@ -30,6 +30,8 @@ class MoEFamily(FamilyLayout):
 
     model_type: ClassVar[str]
     expert_kind: ClassVar[str] = "gated"
+    causal_lm: ClassVar[Optional[str]] = None
+    """transformers' causal LM class name, where AutoModelForCausalLM does not map the model type to it."""
     block_kind: ClassVar[str] = "routed"
     """What the sparse block adds around the routed experts: a key of families/blocks.py BLOCKS."""
 
