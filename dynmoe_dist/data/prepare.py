@@ -184,21 +184,8 @@ def tokenise_chat_file(records, file: Path, spec: CorpusSpec):
     import pyarrow.compute as pc
 
     template = Path(spec.chat_template).expanduser().read_text(encoding="utf-8") if spec.chat_template else None
-    tokenised = records.map(
-        _tokenise_chat,
-        batched=True,
-        batch_size=MAP_BATCH,
-        num_proc=worker_count(spec, len(records)),
-        fn_kwargs={"tokenizer_path": spec.tokenizer, "template": template},
-        remove_columns=records.column_names,
-        features=datasets.Features(
-            {
-                "ids": datasets.Sequence(datasets.Value("uint32")),
-                "loss": datasets.Value("int64"),
-                "error": datasets.Value("string"),
-            }
-        ),
-    )
+    columns = {"loss": datasets.Value("int64"), "error": datasets.Value("string")}
+    tokenised = mapped(records, spec, _tokenise_chat, {"template": template}, columns)
     errors = tokenised.data.column("error")
     bad = pc.not_equal(errors, "")
     if pc.any(bad).as_py():
@@ -214,19 +201,24 @@ def worker_count(spec: CorpusSpec, num_docs: int) -> Optional[int]:
     return num_proc if num_proc > 1 else None
 
 
-def tokenise_file(docs, spec: CorpusSpec, eos: int):
-    """A Dataset of one 'ids' column (uint32 lists), in row order."""
+def mapped(table, spec: CorpusSpec, tokenise, fn_kwargs: Dict[str, Any], columns: Dict[str, Any]):
+    """``table.map(tokenise)`` in worker processes, in row order: an 'ids' column (uint32 lists) and ``columns``."""
     import datasets
 
-    return docs.map(
-        _tokenise,
+    return table.map(
+        tokenise,
         batched=True,
         batch_size=MAP_BATCH,
-        num_proc=worker_count(spec, len(docs)),
-        fn_kwargs={"tokenizer_path": spec.tokenizer, "eos": eos},
-        remove_columns=docs.column_names,
-        features=datasets.Features({"ids": datasets.Sequence(datasets.Value("uint32"))}),
+        num_proc=worker_count(spec, len(table)),
+        fn_kwargs={"tokenizer_path": spec.tokenizer, **fn_kwargs},
+        remove_columns=table.column_names,
+        features=datasets.Features({"ids": datasets.Sequence(datasets.Value("uint32")), **columns}),
     )
+
+
+def tokenise_file(docs, spec: CorpusSpec, eos: int):
+    """A Dataset of one 'ids' column (uint32 lists), in row order."""
+    return mapped(docs, spec, _tokenise, {"eos": eos}, {})
 
 
 def append_tokens(tokenised, out, digest) -> List[np.ndarray]:
