@@ -11,6 +11,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from dynmoe_dist.config import load_config
 from dynmoe_dist.parallel.reshard import dense_named_parameters
 from dynmoe_dist.train import checkpoint as ckpt
+from dynmoe_dist.train import checkpoint_parts
 from dynmoe_dist.train.checkpoint import CheckpointError, complete_checkpoints
 from dynmoe_dist.train.checkpoint_parts import read_expert_file
 from dynmoe_dist.train.dense_state import read_metadata
@@ -120,6 +121,19 @@ def _saved_after_a_step(tmp_path):
     t = _trainer(tmp_path)
     t.train_step()
     return t, t.checkpoint_manager().save(t.step)
+
+
+def test_expert_files_stream_the_live_tensors_not_copies(tmp_path, monkeypatch):
+    """What the expert file is written from is the model's and the optimizer's own tensors (made host tensors
+    one at a time by the writer), never a copy of them all."""
+    t = _trainer(tmp_path)
+    t.train_step()
+    handed = []
+    monkeypatch.setattr(checkpoint_parts, "write_streamed", lambda path, tensors, to_host: handed.extend(tensors))
+    t.checkpoint_manager().save(t.step)
+    held = {p.data_ptr() for layer in t.moe_layers for p in layer.experts.parameters()}
+    held |= {v.data_ptr() for p in t.parts.optimizer.state for v in t.parts.optimizer.state[p].values()}
+    assert len(handed) == 3 * 4 * (1 + len(ADAM_KEYS)) and all(v.data_ptr() in held for _, v in handed)
 
 
 def test_expert_files_of_the_torch_save_layout_still_resume(tmp_path):
