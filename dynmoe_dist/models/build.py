@@ -12,8 +12,8 @@ knows: class or vocabulary counts, sequence length, image size, the tokenizer it
   minilm-classifier   builtin       the pre-trained all-MiniLM-L6-v2 in needs.tokenizer's directory + a
                                     fresh head; the FFNs of model.moe_layers upcycled into DynMoE layers
   causal-lm           hf            model.path through transformers; the dense MLPs of model.moe_layers
-                                    upcycled; wrapped as HFCausalLM. A transformers MoE (Mixtral, Qwen2/3-MoE,
-                                    OLMoE, DeepSeek-V3, gpt-oss) is imported instead: its sparse blocks become
+                                    upcycled; wrapped as HFCausalLM. A transformers MoE (a family of
+                                    models/hf/families/) is imported instead: its sparse blocks become
                                     MoE layers (its own routing or top-any), built on the meta device and
                                     filled after placement (each rank reads its share: models/hf/imported.py)
   causal-lm           builtin       CausalLM (transformer.py), from scratch

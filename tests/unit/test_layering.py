@@ -1,12 +1,13 @@
-"""The dependency direction of DESIGN.md, checked by parsing imports (AST), not by convention.
+"""The dependency direction of docs/architecture.md ("Rooms and rules"), checked by parsing imports (AST),
+not by convention.
 
-kernels -> moe -> models -> planning -> parallel -> train -> cluster -> launcher: a module may import
-its own layer and the layers before it, never one after it. The modules DESIGN does not list sit where
-their imports put them: ``paths`` (how path options are read; imports nothing of the project) first,
-``data`` (token files, read by tasks) then ``tasks`` and ``config`` between
-planning and parallel (they build models and read the planner's options), ``coordination`` between
-parallel and train (the trainer calls it), and ``bench`` / ``experiments`` between train and cluster
-(they drive the trainer).
+A module may import its own layer and the layers before it in ORDER, never one after it. ``paths`` (how path
+options are read; it imports nothing of the project) sits first after ``kernels``; ``data`` (token files,
+read by tasks), ``tasks`` and ``config`` between planning and parallel (they build models and read the
+planner's options); ``coordination`` between parallel and train (the trainer calls it); ``bench`` /
+``experiments`` / ``export`` after train (they drive the trainer or read its checkpoints), then ``hf`` (the
+public re-export of models/hf), ``cluster`` and ``launcher``. LAYER_OF_MODULE places the one module that
+sits in a folder other than its layer: ``data/__main__`` (``python -m dynmoe_dist.data`` reads run files).
 """
 
 import ast
@@ -125,7 +126,8 @@ def test_the_order_check_catches_upward_imports():
 
 
 def test_torch_distributed_only_in_parallel():
-    """DESIGN's one exception: torch.distributed.checkpoint from train/."""
+    """torch.distributed is imported in parallel/ only; the one exception (docs/architecture.md): train/ may
+    import torch.distributed.checkpoint (train/dense_state.py does)."""
     offenders = []
     for path in _all_files():
         here = layer_of(_module_name(path))

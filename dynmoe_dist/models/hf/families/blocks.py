@@ -4,10 +4,12 @@ BLOCKS) builds the same kinds under the same names, since an export must load wi
 
 Shape legend: B batch, L sequence length, D model dim.
 
-  routed          the routed experts only (Mixtral, Qwen3-MoE, OLMoE)
-  shared_expert   + sigmoid(shared_expert_gate(x)) * shared_expert(x) (Qwen2-MoE)
-  shared_experts  + shared_experts(x), always on (DeepSeek-V3)
-  router_scores   the (hidden, router scores) pair its decoder layer unpacks (gpt-oss)
+  routed          the routed experts only (the default: Mixtral's kind)
+  shared_expert   + sigmoid(shared_expert_gate(x)) * shared_expert(x) (Qwen2-MoE's kind)
+  shared_experts  + shared_experts(x), always on (DeepSeek-V3's kind)
+  router_scores   the (hidden, router scores) pair its decoder layer unpacks (gpt-oss's kind)
+
+Each family's module names its kind (``block_kind``).
 
 The shared experts stay the checkpoint's own modules under their own names, so their keys map to themselves.
 """
