@@ -177,24 +177,138 @@ class DynMoEExpert(nn.Module):
         self.b_in = _bias(ffn_dim, bias)
         self.b_out = _bias(dim, bias)
 
-    def forward(self, rows_RD: Tensor) -> Tensor:
-        hidden_RF = _linear(rows_RD, self.w_in, self.b_in)
+    def compute(self, rows_RD: Tensor, linear: Callable[[Tensor, str], Tensor]) -> Tensor:
+        """The expert's math with ``linear(rows, 'in' / 'gate' / 'out')`` for its projections: this expert's
+        own weights (forward) or every expert's at once over rows grouped by expert (DynMoEExperts.grouped)."""
+        hidden_RF = linear(rows_RD, "in")
         if self.swiglu is not None:
-            gate_RF = _linear(rows_RD, self.w_gate, self.b_gate)
-            hidden_RF = clamped_swiglu(gate_RF, hidden_RF, *self.swiglu)
+            hidden_RF = clamped_swiglu(linear(rows_RD, "gate"), hidden_RF, *self.swiglu)
         elif self.gated:
-            hidden_RF = self.act(_linear(rows_RD, self.w_gate, self.b_gate)) * hidden_RF
+            hidden_RF = self.act(linear(rows_RD, "gate")) * hidden_RF
         else:
             hidden_RF = self.act(hidden_RF)
-        return _linear(hidden_RF, self.w_out, self.b_out)
+        return linear(hidden_RF, "out")
+
+    def forward(self, rows_RD: Tensor) -> Tensor:
+        return self.compute(rows_RD, self.own_linear)
+
+    def own_linear(self, rows: Tensor, name: str) -> Tensor:
+        return _linear(rows, getattr(self, "w_" + name), getattr(self, "b_" + name))
+
+    def weights(self) -> Dict[str, Tensor]:
+        """{name: parameter} of the weights and biases it has."""
+        return {name: p for name, p in self._parameters.items() if p is not None}
+
+
+def routed_rows(mask_TE: Tensor, weights_TE: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(token_R, expert_R, weight_R, count_E): every (token, expert) pair the router chose, expert-major (an
+    expert's rows contiguous, its tokens ascending: the order the per-expert loop combined them in)."""
+    expert_R, token_R = mask_TE.t().nonzero(as_tuple=True)
+    return token_R, expert_R, weights_TE[token_R, expert_R], mask_TE.sum(dim=0)
+
+
+# torch's grouped matmul over rows sorted by group: F.grouped_mm from torch 2.10, torch._grouped_mm before
+GROUPED_MM: Optional[Callable[..., Tensor]] = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # its kernels' dtypes (float64 loops)
+_GROUPED_MM_RUNS: Dict[str, bool] = {}
+
+
+def grouped_mm_runs(device: torch.device) -> bool:
+    """Whether GROUPED_MM has a kernel on this device (none on CPU up to torch 2.8, none on older GPUs),
+    tried once per device type on a tiny problem."""
+    if device.type not in _GROUPED_MM_RUNS:
+        runs = GROUPED_MM is not None
+        if GROUPED_MM is not None:
+            try:
+                rows_RD, weight_EDF = torch.ones(2, 8, device=device), torch.ones(2, 8, 8, device=device)
+                GROUPED_MM(rows_RD, weight_EDF, offs=torch.tensor([1, 2], dtype=torch.int32, device=device))
+            except (RuntimeError, NotImplementedError):
+                runs = False
+        _GROUPED_MM_RUNS[device.type] = runs
+    return _GROUPED_MM_RUNS[device.type]
 
 
 class DynMoEExperts(nn.Module):
-    """Holds the experts as ``.experts`` (the state-dict keys of dynmoe_dist's ExpertBank)."""
+    """Holds the experts as ``.experts`` (the state-dict keys of dynmoe_dist's ExpertBank) and runs them on
+    the routed rows: one grouped matmul per projection over the rows sorted by expert when no gradient is
+    wanted (generation), as transformers' fused experts do; otherwise (and in float64) a loop over the experts
+    that has rows, which autograd trains; a single token (a batch-1 decode step) runs its experts directly."""
 
     def __init__(self, num_experts: int, dim: int, spec: Dict[str, Any]):
         super().__init__()
         self.experts = nn.ModuleList(DynMoEExpert(dim, spec) for _ in range(num_experts))
+        self.row_sizes = (dim, int(spec["ffn_dim"]))  # D, F
+        # {weight name: (E, ...)} for the grouped matmul, and the experts' parameter addresses it was built for
+        self._stacked: Dict[str, Tensor] = {}
+        self._stacked_at: Tuple[int, ...] = ()
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # .to() / .half() give the parameters new storage: drop the stacked copy of the old one at once
+        self._stacked, self._stacked_at = {}, ()
+        return super()._apply(*args, **kwargs)
+
+    def single_token(self, x_1D: Tensor, mask_1E: Tensor, weights_1E: Tensor) -> Tensor:
+        """One token: its selected experts, indexed directly (one host read of the selection)."""
+        out_1D = x_1D.new_zeros(x_1D.shape)
+        for e in mask_1E[0].nonzero().flatten().tolist():
+            out_1D = out_1D + self.experts[e](x_1D) * weights_1E[:, e : e + 1].to(x_1D.dtype)
+        return out_1D
+
+    def forward(self, x_TD: Tensor, mask_TE: Tensor, weights_TE: Tensor) -> Tensor:
+        """out_t = sum over the experts e token t selected of weight_te * expert_e(x_t)."""
+        token_R, expert_R, weight_R, count_E = routed_rows(mask_TE, weights_TE)
+        rows_RD = x_TD.index_select(0, token_R)
+        if self.groupable(rows_RD):
+            rows_RD = self.grouped(rows_RD, expert_R, count_E)
+        else:
+            rows_RD = self.looped(rows_RD, count_E)
+        weighted_RD = rows_RD * weight_R.to(rows_RD.dtype).unsqueeze(-1)
+        return x_TD.new_zeros(x_TD.shape).index_add(0, token_R, weighted_RD)
+
+    def groupable(self, rows_RD: Tensor) -> bool:
+        """The grouped matmul: a dtype and row strides it has kernels for, rows to run, and no gradient to give
+        the experts."""
+        if rows_RD.dtype not in GROUPED_DTYPES or rows_RD.shape[0] == 0 or not grouped_mm_runs(rows_RD.device):
+            return False
+        # its kernels want every row stride a multiple of 16 bytes: D and F elements
+        if any(n * rows_RD.element_size() % 16 for n in self.row_sizes):
+            return False
+        if not torch.is_grad_enabled():
+            return True
+        return not rows_RD.requires_grad and not any(p.requires_grad for p in self.experts.parameters())
+
+    def looped(self, rows_RD: Tensor, count_E: Tensor) -> Tensor:
+        """Each expert on its contiguous rows (one host read of the counts, not one per expert)."""
+        chunks = rows_RD.split(count_E.tolist())
+        return torch.cat([expert(rows) if rows.shape[0] else rows for expert, rows in zip(self.experts, chunks)])
+
+    def grouped(self, rows_RD: Tensor, expert_R: Tensor, count_E: Tensor) -> Tensor:
+        """Every expert at once: one grouped matmul per projection over the expert-sorted rows."""
+        stacked = self.stacked_weights()
+        offsets_E = count_E.cumsum(0).to(torch.int32)
+
+        def linear(rows: Tensor, name: str) -> Tensor:
+            weight = stacked["w_" + name].to(rows.dtype)
+            out = cast(Callable[..., Tensor], GROUPED_MM)(rows, weight.transpose(-2, -1), offs=offsets_E)
+            bias = stacked.get("b_" + name)
+            return out if bias is None else out + bias.to(rows.dtype).index_select(0, expert_R)
+
+        return cast(DynMoEExpert, self.experts[0]).compute(rows_RD, linear)
+
+    def stacked_weights(self) -> Dict[str, Tensor]:
+        """{name: (E, ...)} of the experts' weights. Built on first use, then every expert's parameters are
+        re-pointed into it (views, no second copy in memory; a save clones them apart); rebuilt when a
+        parameter has moved (a load, .to(), a new expert)."""
+        weights = [cast(DynMoEExpert, expert).weights() for expert in self.experts]
+        at = tuple(p.data_ptr() for named in weights for p in named.values())
+        if at != self._stacked_at:
+            with torch.no_grad():
+                self._stacked = {name: torch.stack([named[name] for named in weights]) for name in weights[0]}
+                for e, named in enumerate(weights):
+                    for name, p in named.items():
+                        p.data = self._stacked[name][e]
+            self._stacked_at = tuple(p.data_ptr() for named in weights for p in named.values())
+        return self._stacked
 
 
 class DynMoELayer(nn.Module):
@@ -209,14 +323,10 @@ class DynMoELayer(nn.Module):
         """(output shaped like x, combine weights_TE)."""
         x_TD = x.reshape(-1, x.shape[-1])
         mask_TE, weights_TE = self.router(x_TD)
-        out_TD = x_TD.new_zeros(x_TD.shape)
-        for e, expert in enumerate(self.experts.experts):
-            token_R = mask_TE[:, e].nonzero().squeeze(-1)
-            if token_R.numel() == 0:
-                continue
-            rows_RD = expert(x_TD.index_select(0, token_R))
-            weight_R1 = weights_TE[token_R, e].to(rows_RD.dtype).unsqueeze(-1)
-            out_TD = out_TD.index_add(0, token_R, rows_RD * weight_R1)
+        if x_TD.shape[0] == 1:
+            out_TD = self.experts.single_token(x_TD, mask_TE, weights_TE)
+        else:
+            out_TD = self.experts(x_TD, mask_TE, weights_TE)
         return out_TD.reshape(x.shape).to(x.dtype), weights_TE
 
     def forward(self, x: Tensor) -> Tensor:
