@@ -1,9 +1,10 @@
 """LoRA (models/lora.py, moe/adapters.py): the [lora] options' one-line errors, a frozen base that gets no
 gradient and no optimizer state, expert adapters that move and go with their expert, the grouped-matmul
-path equal to the loop, and the whole model exactly PEFT's: the tiny Qwen3-MoE with PEFT 0.21's LoRA
-(``target_modules`` for the dense projections, ``target_parameters`` for the fused experts) and ours on the
-same weights and adapters, float64: logits, loss and every adapter gradient to 1e-10, the adapters after
-three AdamW steps to 1e-9.
+path equal to the loop, and the whole model exactly PEFT's: the tiny Qwen3-MoE, DeepSeek-V3 (shared experts
+run, frozen) and gpt-oss (biases, gate and up interleaved) with PEFT 0.21's LoRA (``target_modules`` for the
+attention projections, ``target_parameters`` for the fused experts) and ours on the same weights and
+adapters, float64: logits, loss and every adapter gradient to 1e-10, the adapters after three AdamW steps
+to 1e-9.
 """
 
 import copy
@@ -41,8 +42,8 @@ from dynmoe_dist.train.optim import build_optimizer  # noqa: E402
 
 RANK, ALPHA = 4, 8.0
 # Attention only: PEFT 0.21 reads gate_proj / up_proj / down_proj in target_modules as transformers v4's expert
-# names and retargets them to the fused experts (rank doubled), so Qwen3-MoE's dense first MLP cannot be named
-# to it; our dense MLP adapters are the same hook as the attention's.
+# names and retargets them to the fused experts (rank doubled), so a dense MLP or a shared expert cannot be named
+# to it; ours are the same hook as the attention's.
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 FUSED = ["experts.gate_up_proj", "experts.down_proj"]
 TRAIN = SimpleNamespace(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.1)
@@ -64,10 +65,10 @@ def test_bad_options_are_one_line(fields, message):
     assert "\n" not in str(err.value)
 
 
-def ours(lora=None, seed=0):
-    """The tiny Qwen3-MoE (a dense first layer, 6 experts) converted, with LoRA applied and drawn."""
+def ours(lora=None, seed=0, family="qwen3_moe"):
+    """The family's tiny model (Qwen3-MoE: a dense first layer, 6 experts) converted, LoRA applied and drawn."""
     lora = lora or LoraConfig(rank=RANK, alpha=ALPHA, targets=("attention", "dense_mlp", "routed_experts"))
-    ref = randomize(tiny_model("qwen3_moe", experts_implementation="eager").double()).train()
+    ref = randomize(tiny_model(family, experts_implementation="eager").double()).train()
     model = import_moe(copy.deepcopy(ref), expert_config(MoEConfig(router="native"), lora))
     apply_lora(model, lora)
     init_adapters(model, seed, held_experts(model))
@@ -178,15 +179,15 @@ def test_a_plan_prunes_adapters_with_their_expert():
 
 
 # -- exactly PEFT's --------------------------------------------------------------------------------------------
-def peft_model(ref):
+def peft_model(ref, target_modules):
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    config = PeftLoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=ATTENTION, target_parameters=FUSED)
+    config = PeftLoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=target_modules, target_parameters=FUSED)
     return get_peft_model(ref, config)
 
 
-def peft_pairs(peft, model):
+def peft_pairs(peft, model, interleaved):
     """(PEFT's adapter parameter, a function of ours -> the same tensor in PEFT's layout) for every adapter."""
     from peft.tuners.lora.layer import ParamWrapper
 
@@ -201,7 +202,7 @@ def peft_pairs(peft, model):
             experts = layers[sparse.index(int(re.search(r"layers\.(\d+)\.", name).group(1)))].experts.experts
             side = "in" if module.parameter_name == "gate_up_proj" else "out"
             pairs.append((module.lora_A["default"].weight, _fused_a(experts, side)))
-            pairs.append((module.lora_B["default"].weight, _fused_b(experts, side)))
+            pairs.append((module.lora_B["default"].weight, _fused_b(experts, side, interleaved and side == "in")))
         elif hasattr(module, "lora_A") and "default" in module.lora_A and not isinstance(module, ParamWrapper):
             own = name.replace("base_model.model.", "", 1)
             pairs.append((module.lora_A["default"].weight, _dense(ours_by_name[f"{own}.lora_a"])))
@@ -218,9 +219,13 @@ def _fused_a(experts, side):
     return lambda grad: torch.cat([_value(getattr(e, f"lora_a_{side}"), grad) for e in experts])
 
 
-def _fused_b(experts, side):
-    # PEFT: lora_B (out, r * E) read as (out, r, E): expert e's column j is j * E + e
-    return lambda grad: torch.stack([_value(getattr(e, f"lora_b_{side}"), grad) for e in experts], -1).flatten(1)
+def _fused_b(experts, side, interleaved):
+    # PEFT: lora_B (out, r * E) read as (out, r, E): expert e's column j is j * E + e; gpt-oss's rows alternate
+    # gate and up where ours hold the gate's first
+    def rows(b_Nr):
+        return torch.stack(b_Nr.chunk(2), 1).flatten(0, 1) if interleaved else b_Nr
+
+    return lambda grad: torch.stack([rows(_value(getattr(e, f"lora_b_{side}"), grad)) for e in experts], -1).flatten(1)
 
 
 def _value(param, grad):
@@ -233,16 +238,26 @@ def loss_of(model, ids):
     return out.logits, out.loss + aux.total(out.logits, torch.ones_like(ids)).to(out.loss.dtype)
 
 
-def test_exactly_peft_on_qwen3_moe():
-    ref, model = ours(LoraConfig(rank=RANK, alpha=ALPHA, targets=("attention", "routed_experts")))
+# family -> (our targets, PEFT's target_modules for the same projections)
+PEFT_CASES = {
+    "qwen3_moe": (("attention", "routed_experts"), ATTENTION),
+    "deepseek_v3": (("attention", "routed_experts"), ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]),
+    "gpt_oss": (("attention", "routed_experts"), ATTENTION),
+}
+
+
+@pytest.mark.parametrize("family", list(PEFT_CASES))
+def test_exactly_peft(family):
+    targets, target_modules = PEFT_CASES[family]
+    ref, model = ours(LoraConfig(rank=RANK, alpha=ALPHA, targets=targets), family=family)
     for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
         assert len(layer.experts) == NUM_EXPERTS
     with torch.no_grad():  # B starts at zero (PEFT's init); non-zero here, so that every gradient means something
         for name, p in model.named_parameters():
             if name.endswith(("lora_b", "lora_b_in", "lora_b_out")):
                 p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(name)))
-    peft = peft_model(ref)
-    pairs = peft_pairs(peft, model)
+    peft = peft_model(ref, target_modules)
+    pairs = peft_pairs(peft, model, interleaved=family == "gpt_oss")
     peft_trainable = [p for p in peft.parameters() if p.requires_grad]
     assert len(pairs) == len(peft_trainable)  # every adapter of PEFT's, as many numbers as ours
     assert sum(p.numel() for p in peft_trainable) == sum(p.numel() for p in model.parameters() if p.requires_grad)
