@@ -9,8 +9,9 @@ failures as data.
 SIGINT / SIGTERM (Ctrl-C, a preempted job) reach the launcher only: torch starts each worker in a
 session of its own. The agent's own handling would kill the workers (after 30 s at most); instead
 ``StopForwarding`` hands the first signal on to every worker, which finishes its step and leaves after a
-checkpoint (train/control.py). A second signal, or one that comes before every worker is up, kills the
-workers at once, through the agent (its SignalException, with SIGKILL: no traceback from any worker).
+checkpoint (train/control.py); a worker still starting finds it announced when it registers. A second
+signal kills the workers at once, through the agent (its SignalException, with SIGKILL: no traceback from
+any worker).
 """
 
 from __future__ import annotations
@@ -60,27 +61,26 @@ AGENT_SIGNALS = ("--signals-to-handle", "SIGHUP,SIGQUIT")
 
 class StopForwarding:
     """The launcher's SIGINT / SIGTERM handler while the workers run. ``worker_pids()`` lists the
-    workers that are up (each registers itself); ``num_workers`` is how many there are to be."""
+    workers that have registered; ``announce(signum)`` tells those that register later."""
 
-    def __init__(self, worker_pids: Callable[[], List[int]], num_workers: int):
-        self.worker_pids, self.num_workers = worker_pids, num_workers
+    def __init__(self, worker_pids: Callable[[], List[int]], announce: Callable[[int], None]):
+        self.worker_pids, self.announce = worker_pids, announce
         self.signum = 0
         """The first stop signal (0: none came)."""
         self.hard = False
-        """Whether the workers were killed (a second signal, or one before all were up)."""
-        self.early = False
-        """Whether they were killed because the signal came before all were up."""
+        """Whether a second signal killed the workers."""
 
     def __call__(self, signum: int, frame: object) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
-        pids = self.worker_pids()
-        if self.signum or len(pids) < self.num_workers:
-            self.early = not self.signum
-            self.signum, self.hard = self.signum or signum, True
+        if self.signum:
+            self.hard = True
             raise SignalException(f"stopped by signal {signum}", sigval=signal.SIGKILL)
         self.signum = signum
-        for pid in pids:
+        # Announced before the workers are listed: a worker registers, then looks for the announcement,
+        # so each one either is listed here or finds it (or both: it counts a signal once).
+        self.announce(signum)
+        for pid in self.worker_pids():
             try:
                 os.kill(pid, signum)
             except ProcessLookupError:  # already gone

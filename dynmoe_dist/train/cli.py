@@ -26,9 +26,10 @@ from .startup import ConfigWarning, prepare_run
 USAGE_ERROR = 2  # the exit status argparse uses for a bad command line
 # Set by train/launch.py for the ranks it starts: the directory where each rank leaves its error line
 # (rank{r}), its process id (pid{r}, to which the launcher forwards SIGINT / SIGTERM) and, on rank 0,
-# where a run stopped by a signal stopped (STOPPED_FILE).
+# where a run stopped by a signal stopped (STOPPED_FILE); the launcher leaves a stop signal (STOP_FILE).
 ERROR_DIR_ENV = "DYNMOE_ERROR_DIR"
 STOPPED_FILE = "stopped.json"
+STOP_FILE = "stop"  # the launcher's stop signal, for ranks that register after it came
 SELF_COMMAND = "python -m dynmoe_dist.train"
 
 
@@ -145,11 +146,20 @@ def start(args) -> RunConfig:
 
 
 # -- a run stopped by SIGINT / SIGTERM -------------------------------------------------------------
-def register_rank() -> None:
-    """Under the launcher: leave this rank's process id where it forwards a stop signal from."""
+def register_rank(signals: StopSignals) -> None:
+    """Under the launcher: leave this rank's process id, to which it forwards a stop signal, then take a
+    stop it announced before (announce_stop)."""
     error_dir = os.environ.get(ERROR_DIR_ENV)
     if error_dir:
         Path(error_dir, f"pid{os.environ.get('RANK', '0')}").write_text(f"{os.getpid()}\n")
+        announced = Path(error_dir, STOP_FILE)
+        if announced.is_file() and announced.read_text().strip().isdigit():
+            signals.ask(int(announced.read_text()))
+
+
+def announce_stop(error_dir: Path, signum: int) -> None:
+    """The launcher's stop signal, for the ranks that register after it came."""
+    (error_dir / STOP_FILE).write_text(f"{signum}\n")
 
 
 def rank_pids(error_dir: Path) -> List[int]:
@@ -205,7 +215,7 @@ def read_stop(error_dir: Path) -> Optional[Dict]:
 def train(args, argv: List[str]) -> int:
     # First: a stop during start-up takes effect after the first step.
     with StopSignals().installed() as signals:
-        register_rank()
+        register_rank(signals)
         config = start(args)
         if args.print_config:
             print(printed_config(config))

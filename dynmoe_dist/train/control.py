@@ -55,11 +55,15 @@ class StopSignals:
                 signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: object) -> None:
-        now = time.monotonic()
         if not self.signum:
-            self.signum, self._at = signum, now
-        elif now - self._at > SAME_SIGNAL_S:
+            self.ask(signum)
+        elif time.monotonic() - self._at > SAME_SIGNAL_S:
             os._exit(stop_exit_status(self.signum))  # the user insists: no checkpoint, no cleanup
+
+    def ask(self, signum: int) -> None:
+        """A stop, as the first signal asks it (also from the launcher's announcement)."""
+        if not self.signum:
+            self.signum, self._at = signum, time.monotonic()
 
     @property
     def requested(self) -> bool:

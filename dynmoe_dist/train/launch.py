@@ -98,36 +98,43 @@ def outcome(failures: Dict[int, int], errors: Dict[int, str]) -> int:
     return 0
 
 
-def stopped_outcome(stop: StopForwarding, stopped: Optional[Dict], out_dir: str, command: str) -> int:
-    """The one line of a job stopped by a signal, and its exit status (130 / 143). ``stopped``: what rank
-    0 left after its checkpoint (None: the ranks were killed, and the newest complete checkpoint counts)."""
-    line = (
-        cli.stop_line({**stopped, "signal": stop.signum}, command) if stopped else killed_line(stop, out_dir, command)
-    )
+def stopped_outcome(stop: StopForwarding, failures: Dict[int, int], error_dir: Path, out_dir: str, command: str):
+    """The one line of a job a signal stopped, and its exit status (130 / 143); None when the signal did
+    not end the job (it finished before any rank saw it, or a rank failed on its own). The ranks wrote a
+    checkpoint (rank 0 left where), or were killed: by a second signal, or by the signal itself in the
+    moment torch starts one (before its own session: the terminal's Ctrl-C reaches it too)."""
+    stopped = cli.read_stop(error_dir) if not stop.hard else None
+    if stopped is not None and not failures:
+        line = cli.stop_line({**stopped, "signal": stop.signum}, command)
+    elif stop.hard or (failures and all(code < 0 for code in failures.values())):
+        how = f"at once by a second {signal.Signals(stop.signum).name}" if stop.hard else "while the ranks started"
+        line = killed_line(how, out_dir, command)
+    else:
+        return None
     print(line, file=sys.stderr, flush=True)
     return stop_exit_status(stop.signum)
 
 
-def killed_line(stop: StopForwarding, out_dir: str, command: str) -> str:
-    name = signal.Signals(stop.signum).name
-    how = f"by {name} during start-up" if stop.early else f"at once by a second {name}, without a checkpoint"
+def killed_line(how: str, out_dir: str, command: str) -> str:
     found = complete_checkpoints(out_dir)
     where = f"newest checkpoint: {found[-1]}; resume: {command}" if found else "no checkpoint to resume from"
-    return f"dynmoe-train: stopped {how}; {where}"
+    return f"dynmoe-train: stopped {how}, without a checkpoint; {where}"
 
 
 def launch(nproc: int, train_args: List[str], out_dir: str) -> int:
     # torchrun sets OMP_NUM_THREADS=1 for several ranks anyway, with a 4-line warning when it was unset.
     threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")} if nproc > 1 else {}
     with tempfile.TemporaryDirectory(prefix="dynmoe-errors-") as error_dir:
-        stop = StopForwarding(lambda: cli.rank_pids(Path(error_dir)), nproc)
+        stop = StopForwarding(
+            lambda: cli.rank_pids(Path(error_dir)), lambda signum: cli.announce_stop(Path(error_dir), signum)
+        )
         with environment(**{cli.ERROR_DIR_ENV: error_dir}, **threads):
             failures = run_local_workers(torchrun_args(nproc, train_args), stop)
-        if stop.signum and not failures:
-            stopped = None if stop.hard else cli.read_stop(Path(error_dir))
-            if stop.hard or stopped is not None:  # else the run ended on its own before it saw the signal
-                command = cli.resume_command(f"{os.environ.get(COMMAND_ENV, LAUNCH_COMMAND)} {nproc}", train_args)
-                return stopped_outcome(stop, stopped, out_dir, command)
+        if stop.signum:
+            command = cli.resume_command(f"{os.environ.get(COMMAND_ENV, LAUNCH_COMMAND)} {nproc}", train_args)
+            status = stopped_outcome(stop, failures, Path(error_dir), out_dir, command)
+            if status is not None:
+                return status
         return outcome(failures, rank_errors(Path(error_dir)) if failures else {})
 
 

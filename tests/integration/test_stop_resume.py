@@ -112,3 +112,35 @@ def test_sigint_then_sigterm_then_resume_gives_the_uninterrupted_run(tmp_path):
     want, final = ref[-1], got[-1]
     assert final["kind"] == want["kind"] == "final" and final["num_experts"] == want["num_experts"]
     assert abs(final["test_loss"] - want["test_loss"]) <= 1e-6 * want["test_loss"]
+
+
+def workers_of(launcher: int):
+    """The launcher's children that run a rank (`-m dynmoe_dist.train`), from /proc."""
+    path = Path(f"/proc/{launcher}/task/{launcher}/children")
+    found = []
+    for pid in path.read_text().split() if path.exists() else []:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except FileNotFoundError:
+            continue
+        if b"dynmoe_dist.train" in argv:
+            found.append(pid)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the launcher's workers in /proc")
+def test_ctrl_c_while_the_ranks_start_stops_after_the_first_step(tmp_path):
+    """The ranks are starting (not all registered for the launcher's forwarding; the ones that are not
+    find the stop announced): the run stops after its first step, with a checkpoint and the one line."""
+    cmd = ["sh", str(LAUNCHER), "2", *ARGS, "--out-dir", str(tmp_path)]
+    job = subprocess.Popen(
+        cmd, env=ENV, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    # both exec'd (in sessions of their own): one forked a moment earlier would get the group's signal too
+    while len(workers_of(job.pid)) < 2 and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    workers = workers_of(job.pid)
+    os.killpg(job.pid, signal.SIGINT)
+    _, err = job.communicate(timeout=120)
+    assert workers and check_stop(job.returncode, err, signal.SIGINT, tmp_path, 1)[0] == 1

@@ -3,6 +3,7 @@ sums, the signal handlers (rank and launcher), the one-line texts, metrics reade
 checkpoint retention. The real SIGINT / SIGTERM runs are in tests/integration/test_stop_resume.py."""
 
 import json
+import os
 import signal
 
 import pytest
@@ -72,28 +73,33 @@ def test_first_signal_asks_a_stop_the_same_one_twice_counts_once_a_later_one_exi
 
 
 # -- the launcher's handler ---------------------------------------------------------------------------
-def test_launcher_forwards_the_first_signal_and_kills_on_the_second(monkeypatch):
+def test_launcher_announces_and_forwards_the_first_signal_and_kills_on_the_second(monkeypatch):
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    sent = []
-    monkeypatch.setattr(elastic.os, "kill", lambda pid, sig: sent.append((pid, sig)))
-    stop = elastic.StopForwarding(lambda: [11, 12], num_workers=2)
+    events = []
+    monkeypatch.setattr(elastic.os, "kill", lambda pid, sig: events.append(("kill", pid, sig)))
+    stop = elastic.StopForwarding(lambda: [11, 12], lambda sig: events.append(("announce", sig)))
     stop(signal.SIGTERM, None)
-    assert sent == [(11, signal.SIGTERM), (12, signal.SIGTERM)] and not stop.hard
+    # announced first: a rank registering meanwhile is listed, or finds the announcement
+    assert events == [("announce", signal.SIGTERM), ("kill", 11, signal.SIGTERM), ("kill", 12, signal.SIGTERM)]
+    assert not stop.hard
     with pytest.raises(SignalException) as raised:
         stop(signal.SIGINT, None)
     assert raised.value.sigval == signal.SIGKILL  # the agent kills the workers: no traceback from them
-    assert stop.hard and not stop.early and stop.signum == signal.SIGTERM and len(sent) == 2
+    assert stop.hard and stop.signum == signal.SIGTERM and len(events) == 3
 
 
-def test_launcher_kills_at_once_while_a_worker_is_not_up(monkeypatch):
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+def test_a_rank_registering_after_the_signal_takes_the_announced_stop(tmp_path, monkeypatch):
+    from dynmoe_dist.train import cli
 
-    monkeypatch.setattr(elastic.os, "kill", lambda pid, sig: pytest.fail("nothing to forward to"))
-    stop = elastic.StopForwarding(lambda: [11], num_workers=2)
-    with pytest.raises(SignalException):
-        stop(signal.SIGINT, None)
-    assert stop.hard and stop.early and stop.signum == signal.SIGINT
+    monkeypatch.setenv(cli.ERROR_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    early, late = control.StopSignals(), control.StopSignals()
+    cli.register_rank(early)
+    assert not early.requested and cli.rank_pids(tmp_path) == [os.getpid()]
+    cli.announce_stop(tmp_path, signal.SIGINT)
+    cli.register_rank(late)
+    assert late.signum == signal.SIGINT
 
 
 # -- the lines ----------------------------------------------------------------------------------------
@@ -250,20 +256,32 @@ def test_a_single_process_says_the_line_itself_and_a_rank_under_the_launcher_lea
     assert capsys.readouterr().err == ""
 
 
-def test_the_launchers_line_after_killing_the_ranks_names_the_newest_checkpoint(tmp_path):
-    from dynmoe_dist.train.launch import killed_line
+def test_the_launchers_line_says_how_the_job_stopped(tmp_path, capsys):
+    from dynmoe_dist.train.launch import stopped_outcome
 
-    stop = elastic.StopForwarding(lambda: [], num_workers=2)
-    stop.signum, stop.hard = signal.SIGINT, True
-    assert killed_line(stop, str(tmp_path), "CMD") == (
-        "dynmoe-train: stopped at once by a second SIGINT, without a checkpoint; no checkpoint to resume from"
+    def said(stop, failures):
+        status = stopped_outcome(stop, failures, tmp_path / "errors", str(tmp_path), "CMD")
+        return status, capsys.readouterr().err
+
+    (tmp_path / "errors").mkdir()
+    stop = elastic.StopForwarding(lambda: [], lambda sig: None)
+    stop.signum = signal.SIGINT
+    assert said(stop, {}) == (None, "")  # the run ended before a rank saw the signal: its own summary
+    assert said(stop, {1: 17}) == (None, "")  # a rank crashed on its own: the launcher's crash line
+    assert said(stop, {1: -2, 0: -15}) == (
+        130,
+        "dynmoe-train: stopped while the ranks started, without a checkpoint; no checkpoint to resume from\n",
     )
     _complete(tmp_path / "checkpoints", 30)
-    stop.early = True
-    assert killed_line(stop, str(tmp_path), "CMD") == (
-        f"dynmoe-train: stopped by SIGINT during start-up; newest checkpoint: {tmp_path}/checkpoints/step_000030; "
-        "resume: CMD"
+    stop.hard = True
+    assert said(stop, {}) == (
+        130,
+        "dynmoe-train: stopped at once by a second SIGINT, without a checkpoint; newest checkpoint: "
+        f"{tmp_path}/checkpoints/step_000030; resume: CMD\n",
     )
+    stop.hard = False
+    (tmp_path / "errors" / "stopped.json").write_text(json.dumps({"step": 31, "signal": 2, "checkpoint": "c/31"}))
+    assert said(stop, {}) == (130, "dynmoe-train: stopped by SIGINT after step 31; checkpoint: c/31; resume: CMD\n")
 
 
 # -- a run, in this process ---------------------------------------------------------------------------
