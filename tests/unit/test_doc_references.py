@@ -2,8 +2,9 @@
 comments of the project's Python files (the code itself is checked by importing it).
 
 Three kinds of mention are checked, statically (files parsed, nothing imported):
-  file        ``train/checkpoint_parts.py``, ``docs/hf.md``, ``hf_tiny.py``: a repository file whose path ends
-              so (a bare name: any file of that name)
+  file        ``train/checkpoint_parts.py``, ``docs/hf.md``, ``hf_tiny.py``, ``launcher/configs/demo.toml``: a
+              repository file whose path ends so (a bare name: any file of that name); .py .md .toml .sh
+              .jinja .yaml
   dotted      ``dynmoe_dist.models.source.fixed_options``: the longest prefix that is a module of the project,
               and the next name defined (or imported) at the top level of that module
   short       ``models.build.build_model``, ``train.step.train_step``: the same, read under ``dynmoe_dist.``,
@@ -36,14 +37,16 @@ NOT_IN_REPO = {
     "models/bert.py": "deleted on 2026-12-01; docs/hf.md and docs/results.md tell what it measured",
     "copy.py": "a file a docstring-corpus test writes into its temporary folder",
     "gpu_check.md": "written by make gpu-check into its output folder",
+    "config.toml": "the run's config, written into its output folder",
 }
-# A mention that starts with an upper-case placeholder (DIR/, OUT/) or a run's output folder is an output.
-OUTPUT = re.compile(r"^(?:[A-Z_]+|runs)/")
+# A mention in a run's output folder or under an upper-case placeholder (DIR/, OUT/) is an output; an
+# upper-case run file or a my_ name (RUN.toml, my_run.toml) is the reader's own file.
+OUTPUT = re.compile(r"^(?:[A-Z_]+|runs)/|^[A-Z_]+\.toml$|^my\w*\.\w+$")
 # Layers whose name is also a common variable name: `config.model` is a RunConfig's field, `hf.config` a
 # transformers model's; these are checked only in the dotted form.
 VARIABLE_NAMES = {"config", "hf"}
 
-FILE_MENTION = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w-]+\.(?:py|md))\b")
+FILE_MENTION = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w-]+\.(?:py|md|toml|sh|jinja|yaml))\b")
 DOTTED_MENTION = re.compile(r"\bdynmoe_dist(?:\.\w+)+(?![\w/])")
 SHORT_LAYERS = [layer for layer in ORDER if layer not in VARIABLE_NAMES]
 SHORT_MENTION = re.compile(r"(?<![\w.])(?:" + "|".join(SHORT_LAYERS) + r")(?:\.\w+)+(?![\w/])")
@@ -165,13 +168,14 @@ def test_every_module_file_and_name_the_prose_mentions_exists():
 def test_the_check_catches_each_kind_of_dangling_mention():
     options = run_options()
     text = (
-        "Which files hold them is train/checkpoint_files.py's business (DESIGN.md); "
+        "Which files hold them is train/checkpoint_files.py's business (DESIGN.md, launcher/configs/nope.toml); "
         "see dynmoe_dist.models.source.no_such_function and models.build.build_modle, "
         "and dynmoe_dist.train.nowhere."
     )
     assert dangling("x", text, options) == [
         "x: train/checkpoint_files.py (no such file)",
         "x: DESIGN.md (no such file)",
+        "x: launcher/configs/nope.toml (no such file)",
         "x: dynmoe_dist.models.source.no_such_function (no such module or name)",
         "x: dynmoe_dist.train.nowhere (no such module or name)",
         "x: models.build.build_modle (no such module or name under dynmoe_dist)",
@@ -179,6 +183,7 @@ def test_the_check_catches_each_kind_of_dangling_mention():
     fine = (
         "train/checkpoint_parts.py, docs/hf.md, hf_tiny.py, dynmoe_dist.models.source.fixed_options, "
         "dynmoe_dist.kernels.grouped_gemm, models.build.build_model, moe.router, train.seed, config.model, "
-        "OUT/results.md, conversion_mapping.py, dynmoe_dist.gpu_check/1, dynmoe_dist.hf.from_pretrained"
+        "OUT/results.md, conversion_mapping.py, dynmoe_dist.gpu_check/1, dynmoe_dist.hf.from_pretrained, "
+        "launcher/configs/demo.toml, launcher/torchrun.sh, RUN.toml, my_run.toml"
     )
     assert dangling("x", fine, options) == []
