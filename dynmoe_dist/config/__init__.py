@@ -327,13 +327,15 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     check_world(config, world_size_from_env())
     check_resume(config.output)
     # Imported here: the tasks import torch and the models, which config.py must not need to load.
-    from ..models.build import check_model_config
+    from ..models.build import check_model_config, check_packed_attention
     from ..tasks import task_spec, validate_run_config
 
     check_native_router(config.model, config.moe.router)
     validate_run_config(config)
     spec = task_spec(config.task.name)
     check_model_config(config.model, spec.model_kind)
+    if spec.packs_sequences:
+        check_packed_attention(config.model.path)
     if "model.path" in (spec.reads or ()):
         resolve_num_layers(config.model)
     return config

@@ -121,6 +121,22 @@ def check_model_config(model: ModelSection, kind: str) -> None:
         raise ValueError(f"model.dim ({model.dim}) is not divisible by model.num_heads ({model.num_heads})")
 
 
+def check_packed_attention(model_path: str) -> None:
+    """ValueError for a model at model.path whose attention transformers would not make block-diagonal from
+    restarting position ids (a task that packs examples into one row needs it). Reads config.json only."""
+    from .hf.families import packs_by_position_ids
+    from .hf.loading import read_config_json, resolve
+
+    directory, gguf_file = resolve(model_path)
+    model_type = "" if gguf_file else str(read_config_json(directory).get("model_type", ""))
+    if not packs_by_position_ids(model_type):
+        raise ValueError(
+            f"task 'chat' packs conversations into sequences told apart by their position ids, and transformers' "
+            f"{model_type} (model.path {model_path!r}) builds its attention mask without them: the conversations "
+            "would attend to each other; train this model with task 'causal-lm'"
+        )
+
+
 # -- the builders, one per (task kind, model source) ----------------------------------------------------
 def _token_classifier(model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> ModelSource:
     built = EncoderClassifier(model, moe, needs.vocab_size, needs.max_len, needs.num_outputs)

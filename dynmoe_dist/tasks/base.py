@@ -131,6 +131,9 @@ class TaskSpec:
     """One line for `dynmoe-train --help` (task.name): what the task trains on, with which model."""
     path_forms: str = ""
     """What task.path names for this task, for --help (empty when the task reads no task.path)."""
+    packs_sequences: bool = False
+    """Whether the task packs several examples into one row, told apart by restarting position ids (the
+    config check asks models/ whether model.path's attention keeps them apart)."""
 
 
 TASKS: Dict[str, Callable[..., Task]] = {}
@@ -144,15 +147,16 @@ def register(
     validate: Optional[Callable[..., None]] = None,
     summary: str = "",
     path_forms: str = "",
+    packs_sequences: bool = False,
 ):
-    """Decorator of a task factory; `model_kind`, `reads`, `validate`, `summary` and `path_forms` as in TaskSpec."""
+    """Decorator of a task factory; its arguments as the TaskSpec fields of the same names."""
     unknown = set(reads or ()) - TASK_OPTIONS
     assert not unknown, f"task {name!r} declares options outside TASK_OPTIONS: {sorted(unknown)}"
 
     def wrap(factory):
         TASKS[name] = factory
         frozen = None if reads is None else frozenset(reads)
-        TASK_SPECS[name] = TaskSpec(factory, frozen, validate, model_kind, summary, path_forms)
+        TASK_SPECS[name] = TaskSpec(factory, frozen, validate, model_kind, summary, path_forms, packs_sequences)
         return factory
 
     return wrap

@@ -102,36 +102,17 @@ def split_packed(task_config) -> Tuple[Dict[str, PackedExamples], int]:
     return {split: packed_split(*parts, seq_len) for split, parts in splits.items()}, vocab_size
 
 
-# Model types whose transformers code builds its attention mask without the position ids, so that packed
-# conversations would attend to each other (tests/unit/test_chat_packing.py checks each family either way).
-MASKS_WITHOUT_POSITIONS = ("gpt_oss",)
-
-
-def check_packing_support(model_path: str) -> None:
-    """ValueError for a model whose attention transformers would not make block-diagonal from position ids."""
-    from ..models.hf.loading import read_config_json, resolve
-
-    directory, gguf_file = resolve(model_path)
-    model_type = "" if gguf_file else read_config_json(directory).get("model_type", "")
-    if model_type in MASKS_WITHOUT_POSITIONS:
-        raise ValueError(
-            f"task 'chat' packs conversations into sequences told apart by their position ids, and transformers' "
-            f"{model_type} (model.path {model_path!r}) builds its attention mask without them: the conversations "
-            "would attend to each other; train this model with task 'causal-lm'"
-        )
-
-
 def validate(run_config) -> None:
     check_hf_inputs(run_config, "chat", PATH_FORMS)
     chat_template = run_config.task.chat_template
     if chat_template and not Path(chat_template).expanduser().exists():
         raise missing("task.chat_template", chat_template)
-    check_packing_support(run_config.model.path)
 
 
 @register(
     "chat",
     model_kind="causal-lm",
+    packs_sequences=True,
     summary="instruction finetuning on conversations, the loss on the assistant's tokens (model.source = 'hf')",
     path_forms=PATH_FORMS,
     validate=validate,

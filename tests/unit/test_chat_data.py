@@ -270,3 +270,17 @@ def test_a_conversation_the_template_refuses_is_named(tmp_path, tokenizer_dir):
     corpus = write_jsonl(tmp_path / "chat.jsonl", [GOOD, twice])
     with pytest.raises(ValueError, match=r"chat.jsonl:2: the chat template refuses it: roles must alternate"):
         open_chat(corpus, tokenizer_dir, tmp_path / "cache", chat_template=str(strict))
+
+
+def test_a_model_whose_attention_ignores_positions_is_refused_by_the_run_file(tmp_path):
+    """gpt-oss's transformers masks ignore restarting position ids (test_chat_packing.py measures it): the config
+    check refuses a chat run on it in one line, before any data or weights are read."""
+    from dynmoe_dist.config import load_config
+
+    model = tmp_path / "gpt_oss"
+    model.mkdir()
+    save_tiny("gpt_oss", model, save_chat_tokenizer(model, CHAT_TEMPLATE))
+    run = run_file(tmp_path, model, write_jsonl(tmp_path / "chat.jsonl", [GOOD, GOOD]))
+    with pytest.raises(ValueError) as err:
+        load_config(run)
+    assert "transformers' gpt_oss" in str(err.value) and "\n" not in str(err.value)

@@ -19,9 +19,9 @@ from hf_tiny import MOE_FAMILIES, WORDS, save_chat_tokenizer, tiny_model  # noqa
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.data.chat import unpack  # noqa: E402
 from dynmoe_dist.data.packed import IGNORE  # noqa: E402
-from dynmoe_dist.models.build import build_model  # noqa: E402
+from dynmoe_dist.models.build import build_model, check_packed_attention  # noqa: E402
+from dynmoe_dist.models.hf.families import packs_by_position_ids  # noqa: E402
 from dynmoe_dist.tasks import build_task  # noqa: E402
-from dynmoe_dist.tasks.chat import MASKS_WITHOUT_POSITIONS, check_packing_support  # noqa: E402
 from dynmoe_dist.train.parts import build_parts  # noqa: E402
 
 MAX_LEN = 40
@@ -147,10 +147,10 @@ def test_each_family_makes_attention_block_diagonal_from_position_ids_or_is_refu
         alone = torch.cat([model(input_ids=e[None], use_cache=False).logits[0] for e in examples])
     apart = float((packed - alone).abs().max()) <= 1e-12
     model.save_pretrained(tmp_path)
-    if family in MASKS_WITHOUT_POSITIONS:
+    if not packs_by_position_ids(family):
         assert not apart
         with pytest.raises(ValueError, match=f"transformers' {family} .* builds its attention mask without them"):
-            check_packing_support(str(tmp_path))
+            check_packed_attention(str(tmp_path))
     else:
         assert apart
-        check_packing_support(str(tmp_path))
+        check_packed_attention(str(tmp_path))

@@ -50,6 +50,13 @@ def is_family(model_type: str) -> bool:
     return model_type in FAMILIES
 
 
+def packs_by_position_ids(model_type: str) -> bool:
+    """Whether sequences packed into one row stay apart in ``model_type``'s attention when their position ids
+    restart: a family says so; transformers' dense decoders all do (tests/unit/test_chat_packing.py)."""
+    family = FAMILIES.get(model_type)
+    return family is None or family.packs_by_position_ids
+
+
 def causal_lm_class(config: Any) -> Any:
     """transformers' class that builds and loads ``config``'s causal LM: AutoModelForCausalLM, or a family's own
     class where that mapping leaves the family out (Mistral 4 in transformers 5.25)."""

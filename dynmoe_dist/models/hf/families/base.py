@@ -31,6 +31,9 @@ class MoEFamily(FamilyLayout):
     model_type: ClassVar[str]
     expert_kind: ClassVar[str] = "gated"
     causal_lm: ClassVar[Optional[str]] = None
+    packs_by_position_ids: ClassVar[bool] = True
+    """Whether transformers' attention for this family keeps sequences packed into one row apart when their
+    position ids restart (task 'chat' packs conversations that way)."""
     """transformers' causal LM class name, where AutoModelForCausalLM does not map the model type to it."""
     block_kind: ClassVar[str] = "routed"
     """What the sparse block adds around the routed experts: a key of families/blocks.py BLOCKS."""

@@ -19,6 +19,9 @@ class GptOss(MoEFamily):
     expert_kind = "gpt_oss"
     block_kind = "router_scores"
     checkpoint_experts = None
+    # transformers 5.25 builds gpt-oss's attention masks without the position ids: packed sequences would
+    # attend to each other (tests/unit/test_chat_packing.py measures it)
+    packs_by_position_ids = False
 
     def rule(self) -> NativeRule:
         return NativeRule(
