@@ -1,6 +1,7 @@
-"""`python -m dynmoe_dist.bench generate --model DIR [--base BASE]`: time per new token of an exported DynMoE
-model, loaded the way users load it (plain ``AutoModelForCausalLM.from_pretrained(DIR,
-trust_remote_code=True)``), against the dense base model it was upcycled from.
+"""`python -m dynmoe_dist.bench generate --model DIR [--base BASE | --native NATIVE]`: time per new token of an
+exported DynMoE model, loaded the way users load it (plain ``AutoModelForCausalLM.from_pretrained(DIR,
+trust_remote_code=True)``), against the dense base model it was upcycled from, or (``--native``) against the
+native export of the same pre-trained MoE (its stock directory, transformers' own fused experts).
 
 Both generate greedily with the KV cache from the same random prompt, a fixed number of new tokens
 (``min_new_tokens`` = ``max_new_tokens``: no early stop at EOS). Per run, the prefill is timed as a
@@ -9,6 +10,10 @@ figure is the cost of one cached decode step; the runs alternate (dense, MoE, de
 other processes hits both alike, and each figure is the median over ``--repeats`` runs. ``--base``
 defaults to the export's recorded base model (``dynmoe.base_model`` in config.json: model.path of the
 training run, a directory, a .gguf file or package:NAME). Prints one JSON object.
+
+With ``--native`` it times both at every ``--batch`` (default 1 and 16) and reports, per batch, the export's
+mean k over the decode steps (its routers' choices, counted in one more untimed generation), the FLOPs ratio
+k / the native top-k, and the decode-time ratio against the target: export / native <= FLOPs ratio + 0.05.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, List, cast
+from typing import TYPE_CHECKING, Callable, Dict, List, Tuple, cast
 
 import torch
 import torch.nn as nn
@@ -31,33 +36,63 @@ if TYPE_CHECKING:
 
 
 # option -> smallest value (two new tokens: the decode time is a difference of two generations)
-MINIMUMS = {"prompt_tokens": 1, "new_tokens": 2, "batch": 1, "repeats": 1, "threads": 1}
+MINIMUMS = {"prompt_tokens": 1, "new_tokens": 2, "repeats": 1, "threads": 1}
+NATIVE_BATCHES = [1, 16]  # --batch's default with --native; one sequence otherwise
+TARGET_SLACK = 0.05
+"""The decode-time target with --native: export / native at most the FLOPs ratio plus this."""
 REEXPORT = "re-export with: python -m dynmoe_dist.export CHECKPOINT --out DIR"
 REMOTE_FORMATS = (2, 3)
 """Export formats whose remote code this transformers loads (models/hf/remote reads both)."""
 
 
 def check(args: argparse.Namespace) -> None:
-    """One-line ValueErrors for bad options, before any model is loaded; fills in ``args.base``."""
+    """One-line ValueErrors for bad options, before any model is loaded; fills in ``args.base`` and
+    ``args.batch``."""
     for name, least in MINIMUMS.items():
         if getattr(args, name) < least:
             raise ValueError(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= {least}")
-    config_file = Path(args.model) / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"--model ({args.model!r}) has no config.json: expected an exported directory")
-    raw = json.loads(config_file.read_text())
-    if "dynmoe" not in raw:
-        return  # a stock directory (an imported MoE exported with its own routing): --base is optional
-    section = raw["dynmoe"]
-    if not isinstance(section, dict) or section.get("format") not in REMOTE_FORMATS:
+    check_batches(args)
+    section = read_config(args.model, "model").get("dynmoe")
+    if section is not None and (not isinstance(section, dict) or section.get("format") not in REMOTE_FORMATS):
         raise ValueError(
             f"--model ({args.model!r}) is no format-{' or '.join(map(str, REMOTE_FORMATS))} export (plain "
             f"transformers cannot load it); {REEXPORT}"
         )
-    if args.base is None:
-        args.base = section.get("base_model")
+    if args.native is not None:
+        check_native(args, exported=section is not None)
+    elif section is not None and args.base is None:  # a stock directory (an imported MoE exported with its
+        args.base = section.get("base_model")  # own routing) needs no --base
         if not args.base:
-            raise ValueError(f"--base is needed: {config_file} records no dynmoe.base_model")
+            raise ValueError(f"--base is needed: {Path(args.model) / 'config.json'} records no dynmoe.base_model")
+
+
+def check_batches(args: argparse.Namespace) -> None:
+    if args.batch is None:
+        args.batch = NATIVE_BATCHES if args.native is not None else [1]
+    if min(args.batch) < 1:
+        raise ValueError(f"--batch ({' '.join(map(str, args.batch))}) must be >= 1")
+    if args.native is None and len(args.batch) > 1:
+        raise ValueError(f"--batch ({' '.join(map(str, args.batch))}): one value without --native")
+
+
+def read_config(directory: str, option: str) -> Dict:
+    config_file = Path(directory) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"--{option} ({directory!r}) has no config.json: expected an exported directory")
+    return json.loads(config_file.read_text())
+
+
+def check_native(args: argparse.Namespace, exported: bool) -> None:
+    """--model a DynMoE export, --native a stock directory whose config gives its top-k, no --base."""
+    if args.base is not None:
+        raise ValueError(f"--base ({args.base!r}) and --native ({args.native!r}): give one")
+    if not exported:
+        raise ValueError(f"--model ({args.model!r}) is no DynMoE export (config.json has no dynmoe section)")
+    native = read_config(args.native, "native")
+    if "dynmoe" in native:
+        raise ValueError(f"--native ({args.native!r}) is a DynMoE export; expected the model's stock directory")
+    if not isinstance(native.get("num_experts_per_tok"), int):
+        raise ValueError(f"--native ({args.native!r}): config.json gives no num_experts_per_tok (its top-k)")
 
 
 def load_export(directory: str) -> nn.Module:
@@ -77,18 +112,68 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def generate(model: nn.Module, prompt_BL: torch.Tensor, new_tokens: int) -> object:
+    """Greedy generation of exactly ``new_tokens`` with the KV cache."""
+    return model.generate(  # type: ignore[operator]
+        prompt_BL, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=True, pad_token_id=0
+    )
+
+
 def generation_times(model: nn.Module, prompt_BL: torch.Tensor, new_tokens: int) -> Dict[str, float]:
     """(prefill seconds, seconds per cached decode step) of one run."""
-
-    def run(n: int) -> object:
-        return model.generate(  # type: ignore[operator]
-            prompt_BL, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=0
-        )
-
     with torch.no_grad():
-        prefill_s = timed(lambda: run(1))
-        full_s = timed(lambda: run(new_tokens))
+        prefill_s = timed(lambda: generate(model, prompt_BL, 1))
+        full_s = timed(lambda: generate(model, prompt_BL, new_tokens))
     return {"prefill_s": prefill_s, "per_token_s": (full_s - prefill_s) / (new_tokens - 1)}
+
+
+class DecodeK:
+    """Counts the experts the export's routers choose (``<block>.mlp.moe.router``, the remote code's state-dict
+    layout) in the decode steps: each router's first call of a generation is the prefill and is left out."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.routers = [m for name, m in model.named_modules() if name.endswith("moe.router")]
+        if not self.routers:
+            raise ValueError(f"{type(model).__name__}: no MoE routers (<block>.mlp.moe.router) to count k in")
+        self.calls: Dict[int, int] = {}
+        self.chosen, self.tokens = 0, 0
+
+    def hook(self, router: nn.Module, inputs: object, output: Tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.calls[id(router)] = self.calls.get(id(router), 0) + 1
+        if self.calls[id(router)] > 1:
+            mask_TE = output[0]
+            self.chosen += int(mask_TE.sum())
+            self.tokens += mask_TE.shape[0]
+
+    def mean_k(self, prompt_BL: torch.Tensor, new_tokens: int) -> float:
+        """Mean experts per token and MoE layer over the decode steps of one generation."""
+        handles = [router.register_forward_hook(self.hook) for router in self.routers]
+        try:
+            with torch.no_grad():
+                generate(self.model, prompt_BL, new_tokens)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return self.chosen / self.tokens
+
+
+def against_native(runs: Dict[str, List[Dict[str, float]]], mean_k: float, native_k: int) -> Dict:
+    """One batch's comparison: the medians, k, the FLOPs ratio k / native k (the converted experts are the
+    native's, so expert FLOPs per token follow k), export / native decode time and that over the target."""
+    out = summarize(runs)
+    flops_ratio = mean_k / native_k
+    time_ratio = out["cases"]["export"]["per_token_ms_median"] / out["cases"]["native"]["per_token_ms_median"]
+    target = flops_ratio + TARGET_SLACK
+    return {
+        **out,
+        "mean_k": round(mean_k, 4),
+        "flops_ratio": round(flops_ratio, 4),
+        "time_ratio": round(time_ratio, 4),
+        "target_ratio": round(target, 4),
+        "time_over_target": round(time_ratio / target, 4),
+        "meets_target": time_ratio <= target,
+    }
 
 
 def summarize(runs: Dict[str, List[Dict[str, float]]]) -> Dict:
@@ -107,13 +192,54 @@ def summarize(runs: Dict[str, List[Dict[str, float]]]) -> Dict:
     return out
 
 
+def timed_runs(
+    models: Dict[str, nn.Module], prompt_BL: torch.Tensor, new_tokens: int, repeats: int
+) -> Dict[str, List[Dict[str, float]]]:
+    """``repeats`` runs of every model, alternating, after one warm-up each."""
+    runs: Dict[str, List[Dict[str, float]]] = {name: [] for name in models}
+    for model in models.values():  # warm-up: first calls pay for allocations and lazy imports
+        generation_times(model, prompt_BL, 2)
+    for _ in range(repeats):
+        for name, model in models.items():
+            runs[name].append(generation_times(model, prompt_BL, new_tokens))
+    return runs
+
+
+def random_prompt(models: Dict[str, nn.Module], batch: int, length: int) -> torch.Tensor:
+    vocab = min(vocab_size(model) for model in models.values())
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
+
+
+def native_comparison(args: argparse.Namespace) -> Dict:
+    """Per batch: the export against the native export, with the export's decode k (see against_native)."""
+    models = {"native": load_export(args.native), "export": load_export(args.model)}
+    native_k = int(cast("PreTrainedModel", models["native"]).config.num_experts_per_tok)
+    batches = {}
+    for batch in args.batch:
+        prompt_BL = random_prompt(models, batch, args.prompt_tokens)
+        runs = timed_runs(models, prompt_BL, args.new_tokens, args.repeats)
+        k = DecodeK(models["export"]).mean_k(prompt_BL, args.new_tokens)
+        batches[str(batch)] = against_native(runs, k, native_k)
+    dtype = next(models["export"].parameters()).dtype
+    # transformers' choice for the native model's experts ('grouped_mm' where its kernel runs, else 'eager')
+    native_experts = str(getattr(cast("PreTrainedModel", models["native"]).config, "_experts_implementation", None))
+    return {
+        "native": args.native,
+        "dtype": str(dtype),
+        "native_k": native_k,
+        "native_experts_implementation": native_experts,
+        "batches": batches,
+    }
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dynmoe_dist.bench generate", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="an exported directory (python -m dynmoe_dist.export)")
     parser.add_argument("--base", default=None, help="the dense base model (default: the export's dynmoe.base_model)")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--native", default=None, help="the native export of the same MoE (its stock directory)")
+    parser.add_argument("--batch", type=int, nargs="+", default=None, help="with --native: several (default 1 16)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args(argv)
@@ -122,32 +248,25 @@ def main(argv=None) -> None:
     except ValueError as err:
         parser.exit(2, f"error: {err}\n")
     torch.set_num_threads(args.threads)
+    common = {"benchmark": "generate", "model": args.model, "prompt_tokens": args.prompt_tokens}
+    common.update(new_tokens=args.new_tokens, repeats=args.repeats)
+    if args.native is not None:
+        result = {**common, **native_comparison(args)}
+    else:
+        result = {**common, **base_comparison(args)}
+    print(json.dumps({**result, "machine": machine_info(args.threads)}))
+
+
+def base_comparison(args: argparse.Namespace) -> Dict:
+    """The export against the base it started from (when there is one), at one batch."""
     moe = load_export(args.model)
     dtype = next(moe.parameters()).dtype
     models = {"moe": moe}
     if args.base is not None:  # "dense": the base the export started from (for an imported MoE, an MoE too)
         models = {"dense": load_model(args.base, "causal-lm", field="--base").to(dtype).eval(), "moe": moe}
-    vocab = min(vocab_size(model) for model in models.values())
-    prompt_BL = torch.randint(0, vocab, (args.batch, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
-    runs: Dict[str, List[Dict[str, float]]] = {name: [] for name in models}
-    for model in models.values():  # warm-up: first calls pay for allocations and lazy imports
-        generation_times(model, prompt_BL, 2)
-    for _ in range(args.repeats):
-        for name, model in models.items():
-            runs[name].append(generation_times(model, prompt_BL, args.new_tokens))
-    result = {
-        "benchmark": "generate",
-        "model": args.model,
-        "base": args.base,
-        "dtype": str(dtype),
-        "batch": args.batch,
-        "prompt_tokens": args.prompt_tokens,
-        "new_tokens": args.new_tokens,
-        "repeats": args.repeats,
-        **summarize(runs),
-        "machine": machine_info(args.threads),
-    }
-    print(json.dumps(result))
+    prompt_BL = random_prompt(models, args.batch[0], args.prompt_tokens)
+    runs = timed_runs(models, prompt_BL, args.new_tokens, args.repeats)
+    return {"base": args.base, "dtype": str(dtype), "batch": args.batch[0], **summarize(runs)}
 
 
 if __name__ == "__main__":

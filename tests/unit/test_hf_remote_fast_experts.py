@@ -22,7 +22,7 @@ ROUTERS = {
     "softmax-top1": dict(router="top_any", train_k0="top1", eval_k0="top1", combine="softmax"),
 }
 pytestmark = pytest.mark.skipif(
-    not remote.grouped_mm_runs(torch.device("cpu")), reason="this torch has no grouped matmul on CPU"
+    not remote.grouped_mm_runs(torch.device("cpu"), torch.float32), reason="this torch has no grouped matmul on CPU"
 )
 
 

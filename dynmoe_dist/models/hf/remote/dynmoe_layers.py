@@ -210,22 +210,28 @@ def routed_rows(mask_TE: Tensor, weights_TE: Tensor) -> Tuple[Tensor, Tensor, Te
 # torch's grouped matmul over rows sorted by group: F.grouped_mm from torch 2.10, torch._grouped_mm before
 GROUPED_MM: Optional[Callable[..., Tensor]] = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # its kernels' dtypes (float64 loops)
-_GROUPED_MM_RUNS: Dict[str, bool] = {}
+_GROUPED_MM_RUNS: Dict[Tuple[str, torch.dtype], bool] = {}
 
 
-def grouped_mm_runs(device: torch.device) -> bool:
-    """Whether GROUPED_MM has a kernel on this device (none on CPU up to torch 2.8, none on older GPUs),
-    tried once per device type on a tiny problem."""
-    if device.type not in _GROUPED_MM_RUNS:
-        runs = GROUPED_MM is not None
-        if GROUPED_MM is not None:
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether GROUPED_MM has a kernel for this device and dtype (none on CPU up to torch 2.8, none on older
+    GPUs, float64 nowhere), tried once per device type and dtype on a tiny problem."""
+    key = (device.type, dtype)
+    if key not in _GROUPED_MM_RUNS:
+        runs = GROUPED_MM is not None and dtype in GROUPED_DTYPES
+        if runs:
+            rows_RD, weight_EDF = (
+                torch.ones(2, 8, device=device, dtype=dtype),
+                torch.ones(2, 8, 8, device=device, dtype=dtype),
+            )
             try:
-                rows_RD, weight_EDF = torch.ones(2, 8, device=device), torch.ones(2, 8, 8, device=device)
-                GROUPED_MM(rows_RD, weight_EDF, offs=torch.tensor([1, 2], dtype=torch.int32, device=device))
+                cast(Callable[..., Tensor], GROUPED_MM)(
+                    rows_RD, weight_EDF, offs=torch.tensor([1, 2], dtype=torch.int32, device=device)
+                )
             except (RuntimeError, NotImplementedError):
                 runs = False
-        _GROUPED_MM_RUNS[device.type] = runs
-    return _GROUPED_MM_RUNS[device.type]
+        _GROUPED_MM_RUNS[key] = runs
+    return _GROUPED_MM_RUNS[key]
 
 
 class DynMoEExperts(nn.Module):
@@ -268,7 +274,7 @@ class DynMoEExperts(nn.Module):
     def groupable(self, rows_RD: Tensor) -> bool:
         """The grouped matmul: a dtype and row strides it has kernels for, rows to run, and no gradient to give
         the experts."""
-        if rows_RD.dtype not in GROUPED_DTYPES or rows_RD.shape[0] == 0 or not grouped_mm_runs(rows_RD.device):
+        if rows_RD.shape[0] == 0 or not grouped_mm_runs(rows_RD.device, rows_RD.dtype):
             return False
         # its kernels want every row stride a multiple of 16 bytes: D and F elements
         if any(n * rows_RD.element_size() % 16 for n in self.row_sizes):
