@@ -96,6 +96,15 @@ MOE_FAMILIES = {
         | {"kv_lora_rank": 8, "q_lora_rank": None, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8}
         | {"bos_token_id": None, "eos_token_id": 1, "pad_token_id": None},  # its own ids: a tiny vocabulary's
     ),
+    "qwen3_5_moe_text": (
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        {**DECODER, "moe_intermediate_size": MOE_FFN, "num_experts": NUM_EXPERTS, **_MOE}
+        | {"shared_expert_intermediate_size": 20, "head_dim": 8}
+        | {"layer_types": ["linear_attention", "full_attention", "linear_attention"]}  # both kinds of attention
+        | {"linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 8}
+        | {"linear_value_head_dim": 8},
+    ),
 }
 # family -> (config class, model class, config fields)
 FAMILIES = {
@@ -173,6 +182,7 @@ EXPERT_COUNT_KEY = {
     "glm4_moe": "n_routed_experts",
     "minimax_m2": "num_local_experts",
     "mistral4": "n_routed_experts",
+    "qwen3_5_moe_text": "num_experts",
 }
 
 

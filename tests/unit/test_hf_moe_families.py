@@ -229,7 +229,7 @@ class Spy:
     "family, how",
     [("qwen2_moe", "save_pretrained"), ("mixtral", "save_pretrained"), ("gpt_oss", "save_pretrained")]
     + [("deepseek_v3", "state_dict")]
-    + [(family, "save_pretrained") for family in ("glm4_moe", "minimax_m2", "mistral4")],
+    + [(family, "save_pretrained") for family in ("glm4_moe", "minimax_m2", "mistral4", "qwen3_5_moe_text")],
 )
 def test_reader_reads_one_expert_and_nothing_of_the_others(family, how, tmp_path, monkeypatch):
     # save_pretrained writes one key per expert (gpt-oss: fused tensors), sharded here; a state_dict saved as

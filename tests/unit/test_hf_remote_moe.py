@@ -40,9 +40,18 @@ from dynmoe_dist.moe.routing import top_any  # noqa: E402
 # The three with a block of their own by default; the plain routed blocks and the families whose block one of
 # those three has are marked slow, each in a run of its own.
 DEFAULT = ("qwen2_moe", "deepseek_v3", "gpt_oss")
-SLOW = ("mixtral", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2", "mistral4")
+SLOW = ("mixtral", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2", "mistral4", "qwen3_5_moe_text")
 FAMILIES = [*DEFAULT, *(pytest.param(f, marks=pytest.mark.slow) for f in SLOW)]
 TOL = {torch.float64: 1e-10, torch.float32: 1e-6}
+# Qwen3.5-MoE's linear attention (transformers' chunked gated delta rule) sums long float32 chains whose
+# rounding differs between the two processes: 1.8e-6 measured.
+FLOAT32_TOL = {"qwen3_5_moe_text": 5e-6}
+
+
+def tolerance(case):
+    return FLOAT32_TOL.get(case.family, TOL[case.dtype]) if case.dtype == torch.float32 else TOL[case.dtype]
+
+
 RESAVED = "qwen2_moe"  # the fine-tuner's save_pretrained round trip, on a family with stock shared modules
 
 
@@ -113,7 +122,7 @@ def test_plain_transformers_computes_the_trained_models_logits(group, family):
         assert got["class"].startswith("DynMoE") and got["dtype"] == str(case.dtype), name
         want = logits(model, ids)
         assert got["logits"].dtype == case.dtype
-        torch.testing.assert_close(got["logits"], want, rtol=0, atol=TOL[case.dtype], msg=name)
+        torch.testing.assert_close(got["logits"], want, rtol=0, atol=tolerance(case), msg=name)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

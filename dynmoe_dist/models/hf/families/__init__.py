@@ -24,11 +24,12 @@ from .mistral4 import Mistral4
 from .mixtral import Mixtral
 from .olmoe import OLMoE
 from .qwen2_moe import Qwen2MoE
+from .qwen3_5_moe import Qwen3_5Moe
 from .qwen3_moe import Qwen3MoE
 
 FAMILIES: Dict[str, Type[MoEFamily]] = {
     cls.model_type: cls
-    for cls in (Mixtral, Qwen2MoE, Qwen3MoE, OLMoE, DeepSeekV3, GptOss, Glm4Moe, MiniMaxM2, Mistral4)
+    for cls in (Mixtral, Qwen2MoE, Qwen3MoE, OLMoE, DeepSeekV3, GptOss, Glm4Moe, MiniMaxM2, Mistral4, Qwen3_5Moe)
 }
 SUPPORTED_MOE = tuple(FAMILIES)
 

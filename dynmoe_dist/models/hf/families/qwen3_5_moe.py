@@ -1,0 +1,15 @@
+"""Qwen3.5-MoE (its text causal LM, model type qwen3_5_moe_text): softmax top-k, always renormalised; every
+layer sparse (its linear-attention and full-attention layers alike); Qwen2-MoE's shared expert scaled by
+sigmoid(shared_expert_gate(x)); its files are Qwen2-MoE's (one key per expert)."""
+
+from ....moe.routing import NativeRule
+from .base import MoEFamily
+
+
+class Qwen3_5Moe(MoEFamily):
+    model_type = "qwen3_5_moe_text"
+    num_experts_key = "num_experts"
+    block_kind = "shared_expert"
+
+    def rule(self) -> NativeRule:
+        return NativeRule(top_k=self.config.num_experts_per_tok, **self.balance_loss())
