@@ -96,6 +96,8 @@ def export(checkpoint, out, max_shard_size: Union[int, str] = MAX_SHARD_SIZE, pr
     """The export; ``progress`` shows a bar over its stages (reading and writing a large model takes minutes)."""
     checkpoint, out = checkpoint_or_last(Path(checkpoint)), Path(out)
     meta, run = read_checkpoint(checkpoint)
+    if run.lora.enabled:
+        raise ValueError(f"{checkpoint}: a LoRA run (lora.enabled) cannot be exported yet, merged or as a PEFT adapter")
     with WaitBar(f"exporting {checkpoint.name}", EXPORT_STAGES, "stage", enabled=progress) as bar:
         saved = checked_definition(checkpoint, meta["states"].get("model"))
         definition = str(saved) if saved else run.model.path

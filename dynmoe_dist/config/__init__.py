@@ -34,6 +34,7 @@ from .sections import (
     SHARDINGS,
     AdaptiveConfig,
     FaultConfig,
+    LoraConfig,
     ModelConfig,
     OutputConfig,
     ParallelConfig,
@@ -92,6 +93,7 @@ class RunConfig:
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     explicit: FrozenSet[str] = field(default_factory=frozenset, compare=False, repr=False)
     """'section.key' of every option the user set (file or --set), recorded by the loader: start-up
     checks fail for a feature asked for by name but only warn about a default (train/startup.py)."""

@@ -1,5 +1,6 @@
 """The sections of a run file, one dataclass each (``[task] [model] [moe] [train] [parallel] [adaptive]
-[output] [fault]``; ``[moe]`` is the layer's own ``moe.config.MoEConfig``): one docstring per field (what
+[output] [fault] [lora]``; ``[moe]`` is the layer's own ``moe.config.MoEConfig``, ``[lora]`` is
+``models.lora.LoraConfig``): one docstring per field (what
 ``dynmoe-train --help`` prints), validation in ``__post_init__`` naming the option and the value.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Tuple
 
+from ..models.lora import LoraConfig
 from ..moe.config import MoEConfig, _require
 
 EXPERT_INITS = ("reuse_discarded", "average", "weighted_average", "most_activated", "random")
@@ -352,4 +354,5 @@ SECTIONS = {
     "adaptive": AdaptiveConfig,
     "output": OutputConfig,
     "fault": FaultConfig,
+    "lora": LoraConfig,
 }

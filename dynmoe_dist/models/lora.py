@@ -20,17 +20,18 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, replace
-from typing import Dict, List, Sequence, Tuple, cast
+from functools import partial
+from typing import Callable, Dict, List, Sequence, Tuple, cast
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
-from ..moe.adapters import has_adapters, init_adapter, init_expert_adapters, is_adapter, lora_delta, scaling
+from ..moe.adapters import SIDES, drawn_a, has_adapters, is_adapter, lora_delta, scaling
 from ..moe.config import MoEConfig, _require
 from ..moe.experts import expert_key
 from ..moe.layer import MoELayer
-from .source import HeldExperts
+from .source import FillRows, HeldExperts
 
 # target -> what it adapts (the message of a target that names nothing lists the ones that exist)
 TARGETS = {
@@ -48,6 +49,9 @@ _SHARED = (".shared_experts.", ".shared_expert.")
 class LoraConfig:
     """The ``[lora]`` options: which projections get adapters and how they start."""
 
+    enabled: bool = False
+    """Finetune with LoRA: train adapters on the targets below, every other weight frozen (no gradient, no
+    optimizer state). Imported transformers MoEs and upcycled transformers models (model.source = 'hf')."""
     rank: int = 8
     """Rank r of every adapter: A (r, in), B (out, r). At most the smallest dimension of a targeted weight."""
     alpha: float = 16.0
@@ -77,8 +81,9 @@ class LoraConfig:
 
 
 def expert_config(moe: MoEConfig, lora: LoraConfig) -> MoEConfig:
-    """``moe`` with the routed experts' adapters (none when 'routed_experts' is no target): build the model with it."""
-    if "routed_experts" not in lora.targets:
+    """``moe`` with the routed experts' adapters (none without LoRA or when 'routed_experts' is no target): build
+    the model with it."""
+    if not lora.enabled or "routed_experts" not in lora.targets:
         return replace(moe, adapter_rank=0, adapter_alpha=0.0)
     return replace(moe, adapter_rank=lora.rank, adapter_alpha=lora.alpha)
 
@@ -169,16 +174,36 @@ def held_experts(model: nn.Module) -> List[HeldExperts]:
     ]
 
 
-def init_adapters(model: nn.Module, seed: int, held: Sequence[HeldExperts]) -> None:
+def fill_whole(p: Tensor, read: Callable[[int, int], Tensor]) -> None:
+    """A ``FillRows`` for a tensor held whole (one process, no FSDP)."""
+    p.copy_(read(0, p.shape[0]))
+
+
+def init_adapters(model: nn.Module, seed: int, held: Sequence[HeldExperts], fill_rows: FillRows = fill_whole) -> None:
     """Draw every adapter (PEFT's init: A kaiming-uniform, B zero) from ``seed`` and its name: a dense one by its
-    module's name, an expert's by 'MoE layer/logical id' (``held``: this rank's experts), whatever the world."""
+    module's name, an expert's by 'MoE layer/logical id' (``held``: this rank's experts), whatever the world.
+    ``fill_rows`` writes a tensor's share (parallel.fsdp.fill_local for FSDP shards)."""
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and hasattr(module, "lora_a"):
-            init_adapter(cast(Tensor, module.lora_a), cast(Tensor, module.lora_b), _generator(seed, name))
+            _fill_adapter(module, ("lora_a", "lora_b"), _generator(seed, name), fill_rows)
     for layer, logical_ids, modules in held:
         for expert, module in zip(logical_ids, modules):
             if has_adapters(module):
-                init_expert_adapters(module, _generator(seed, expert_key(layer, expert)))
+                generator = _generator(seed, expert_key(layer, expert))
+                for names in SIDES.values():
+                    _fill_adapter(module, names, generator, fill_rows)
+
+
+def _fill_adapter(module: nn.Module, names: Tuple[str, str], generator: torch.Generator, fill_rows: FillRows) -> None:
+    a_rK, b_Nr = (cast(Tensor, getattr(module, name)) for name in names)
+    drawn_rK = drawn_a(a_rK.shape, generator)
+    with torch.no_grad():
+        fill_rows(a_rK, partial(_rows, drawn_rK.to(a_rK.dtype)))
+        fill_rows(b_Nr, partial(_rows, torch.zeros(b_Nr.shape, dtype=b_Nr.dtype)))
+
+
+def _rows(full: Tensor, start: int, stop: int) -> Tensor:
+    return full[start:stop]
 
 
 def _generator(seed: int, name: str) -> torch.Generator:

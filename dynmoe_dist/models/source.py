@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from ..moe.adapters import is_adapter
 from ..moe.config import MoEConfig
 
 # (MoE layer index, logical ids of the experts this rank holds, their modules in slot order)
@@ -158,7 +159,8 @@ class ImportedMoE:
                 for expert, module in zip(logical_ids, modules):
                     read = self.checkpoint.expert(layer, expert)
                     for name, p in module.named_parameters():
-                        fill_rows(p, partial(_rows, read[name]))
+                        if not is_adapter(name):  # LoRA's are drawn, not read (models.lora.init_adapters)
+                            fill_rows(p, partial(_rows, read[name]))
 
     def allocate(self, device: torch.device) -> None:
         from .hf.imported import allocate

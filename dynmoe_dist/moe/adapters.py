@@ -35,8 +35,8 @@ def is_adapter(name: str) -> bool:
 
 
 def add_adapters(expert: nn.Module, rank: int, alpha: float, gated: bool) -> None:
-    """Give ``expert`` (built with its weights) its adapters, B zero and A zero until ``init_adapter`` draws
-    it, and freeze its own weights: from here on only the adapters train."""
+    """Give ``expert`` (built with its weights) its adapters, zeros until models.lora.init_adapters draws A, and
+    freeze its own weights: from here on only the adapters train."""
     for p in expert.parameters():
         p.requires_grad_(False)
     ffn_dim, dim = cast(Tensor, expert.w_in).shape
@@ -48,20 +48,12 @@ def add_adapters(expert: nn.Module, rank: int, alpha: float, gated: bool) -> Non
     expert.lora_b_out = nn.Parameter(torch.zeros(dim, rank))
 
 
-def init_adapter(a_rK: Tensor, b_Nr: Tensor, generator: torch.Generator) -> None:
-    """PEFT's default initialisation: A kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)), B zero.
-    Drawn in float64 on the CPU from ``generator``, so the values depend on the seed alone (not the device, the
-    dtype or which rank draws them)."""
-    bound = 1.0 / a_rK.shape[1] ** 0.5
-    drawn = torch.empty(a_rK.shape, dtype=torch.float64).uniform_(-bound, bound, generator=generator)
-    with torch.no_grad():
-        a_rK.copy_(drawn)
-        b_Nr.zero_()
-
-
-def init_expert_adapters(expert: nn.Module, generator: torch.Generator) -> None:
-    for a_name, b_name in SIDES.values():
-        init_adapter(getattr(expert, a_name), getattr(expert, b_name), generator)
+def drawn_a(shape: torch.Size, generator: torch.Generator) -> Tensor:
+    """PEFT's initialisation of A (r, in): kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)); B starts
+    at zero. Drawn in float64 on the CPU from ``generator``, so the values depend on the seed alone (not the device,
+    the dtype or which rank draws them)."""
+    bound = 1.0 / shape[1] ** 0.5
+    return torch.empty(shape, dtype=torch.float64).uniform_(-bound, bound, generator=generator)
 
 
 def scaling(module: nn.Module) -> float:

@@ -109,8 +109,8 @@ class TopAnyRouter(nn.Module):
         with torch.no_grad():
             weight = torch.cat([self.weight[keep], new_weight_ND.to(self.weight)])
             threshold = torch.cat([self.threshold[keep], self.threshold.new_zeros(len(new_weight_ND))])
-        self.weight = nn.Parameter(weight)
-        self.threshold = nn.Parameter(threshold)
+        self.weight = nn.Parameter(weight, requires_grad=self.weight.requires_grad)  # frozen under LoRA stays
+        self.threshold = nn.Parameter(threshold, requires_grad=self.threshold.requires_grad)
 
 
 class SoftmaxRouter(nn.Module):
@@ -143,7 +143,7 @@ class SoftmaxRouter(nn.Module):
             if self.choice_bias is not None:
                 old = self.choice_bias
                 self.choice_bias = torch.cat([old[keep], old.new_zeros(len(new_weight_ND))])
-        self.weight = nn.Parameter(weight)
+        self.weight = nn.Parameter(weight, requires_grad=self.weight.requires_grad)  # frozen under LoRA stays
 
 
 class NativeRouter(nn.Module):
@@ -183,11 +183,12 @@ class NativeRouter(nn.Module):
         with torch.no_grad():
             weight = torch.cat([self.weight[keep], new_weight_ND.to(self.weight)])
             if self.bias is not None:
-                self.bias = nn.Parameter(torch.cat([self.bias[keep], self.bias.new_zeros(len(new_weight_ND))]))
+                bias = torch.cat([self.bias[keep], self.bias.new_zeros(len(new_weight_ND))])
+                self.bias = nn.Parameter(bias, requires_grad=self.bias.requires_grad)
             if self.e_score_correction_bias is not None:
                 old = self.e_score_correction_bias
                 self.e_score_correction_bias = torch.cat([old[keep], old.new_zeros(len(new_weight_ND))])
-        self.weight = nn.Parameter(weight)
+        self.weight = nn.Parameter(weight, requires_grad=self.weight.requires_grad)  # frozen under LoRA stays
 
 
 Router = Union[TopAnyRouter, SoftmaxRouter, NativeRouter]

@@ -16,6 +16,7 @@ import torch
 
 from ..config import RunConfig
 from ..models.build import build_model
+from ..models.lora import expert_config
 from ..moe.balance import Balancers
 from ..moe.layer import MoELayer
 from ..parallel.groups import ParallelGroups, current_world_size, sum_over_ranks
@@ -66,7 +67,7 @@ class Trainer:
         self.schedule.check_world(world_size)
         self.eval_ranges = eval_ranges(self.task.size("test"), config.train.global_batch_size, world_size)
         torch.manual_seed(config.train.seed)
-        self.source = build_model(config.model, config.moe, self.task.model_needs())
+        self.source = build_model(config.model, expert_config(config.moe, config.lora), self.task.model_needs())
         self.parts: TrainParts = build_parts(config, self.source)
         self.recorders = Recorders(self.parts.experts.layers, self.parts.groups)
         # moe.target_k / moe.balance: out-of-gradient moves of the routers' choice, after each step

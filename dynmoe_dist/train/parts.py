@@ -9,6 +9,7 @@ The order is torchtitan's and it matters:
   4. expert parallelism (each rank keeps its own experts), then FSDP: experts first, as they sit inside
      the blocks, then the dense blocks and the root; then ``source.fill``: a source whose weights are read
      later (an imported transformers MoE) is given storage and reads only this rank's experts and dense rows;
+     under ``[lora]`` the adapters were added before step 2 (the base frozen) and are drawn now;
   5. the optimizer over the sharded parameters, the one owner of the expert set, the gradient sync.
 The Trainer and every benchmark call this; nothing else strings these steps together.
 """
@@ -22,6 +23,7 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from ..config import RunConfig
+from ..models.lora import apply_lora, init_adapters
 from ..models.source import ModelSource
 from ..moe.layer import find_moe_layers
 from ..parallel.blocks import apply_activation_checkpointing
@@ -54,6 +56,8 @@ def build_parts(config: RunConfig, source: ModelSource) -> TrainParts:
     if config.train.activation_checkpointing == "block":
         apply_activation_checkpointing(model)  # fails here, before any collective, without blocks
     check_experts_fit(model, resolve_ep_size(config.parallel.ep_size, current_world_size()))
+    if config.lora.enabled:
+        apply_lora(model, config.lora)  # adapters, the base frozen; a bad target fails here, before any collective
     groups = init_groups(config.parallel)
     check_same_everywhere(config.digest(), groups, "config hash")
     source.place(groups.device, DTYPES[config.train.precision])
@@ -63,6 +67,8 @@ def build_parts(config: RunConfig, source: ModelSource) -> TrainParts:
     shard_dense(model, shards, sharding)
     held = [(shard.index, shard.local_experts, shard.layer.experts.experts) for shard in shards]
     source.fill(held, groups.device, fill_local)  # weights read once this rank's share is known
+    if config.lora.enabled:
+        init_adapters(model, config.train.seed, held, fill_local)
     optimizer = build_optimizer(model, config.train)
     experts = ExpertSet(model, shards, sharding, optimizer, groups)
     grad_sync = GradSync(model, groups, experts_sharded=sharding.experts)

@@ -67,7 +67,9 @@ def test_bad_options_are_one_line(fields, message):
 
 def ours(lora=None, seed=0, family="qwen3_moe"):
     """The family's tiny model (Qwen3-MoE: a dense first layer, 6 experts) converted, LoRA applied and drawn."""
-    lora = lora or LoraConfig(rank=RANK, alpha=ALPHA, targets=("attention", "dense_mlp", "routed_experts"))
+    lora = lora or LoraConfig(
+        enabled=True, rank=RANK, alpha=ALPHA, targets=("attention", "dense_mlp", "routed_experts")
+    )
     ref = randomize(tiny_model(family, experts_implementation="eager").double()).train()
     model = import_moe(copy.deepcopy(ref), expert_config(MoEConfig(router="native"), lora))
     apply_lora(model, lora)
@@ -77,15 +79,15 @@ def ours(lora=None, seed=0, family="qwen3_moe"):
 
 def test_a_target_that_names_nothing_lists_what_exists():
     with pytest.raises(ValueError, match=r"\('shared_experts'\) names nothing.*it has: attention, dense_mlp, routed"):
-        ours(LoraConfig(targets=("attention", "shared_experts")))
+        ours(LoraConfig(enabled=True, targets=("attention", "shared_experts")))
 
 
 def test_a_rank_above_a_targets_smallest_dimension():
     # k_proj is (8, 16): one key/value head of 8
     with pytest.raises(ValueError, match=r"lora.rank \(9\) is above the smallest dimension of .*k_proj \(8, 16\)"):
-        ours(LoraConfig(rank=9, targets=("attention",)))
+        ours(LoraConfig(enabled=True, rank=9, targets=("attention",)))
     with pytest.raises(ValueError, match=r"lora.rank \(13\) is above .* routed expert \(16, 12\) \(12\)"):
-        ours(LoraConfig(rank=13, targets=("routed_experts",)))
+        ours(LoraConfig(enabled=True, rank=13, targets=("routed_experts",)))
 
 
 # -- a frozen base -----------------------------------------------------------------------------------------
@@ -106,7 +108,7 @@ def test_only_adapters_train_and_hold_optimizer_state():
 
 
 def test_a_trainable_router():
-    _, model = ours(LoraConfig(rank=RANK, targets=("routed_experts",), router="trainable"))
+    _, model = ours(LoraConfig(enabled=True, rank=RANK, targets=("routed_experts",), router="trainable"))
     routers = {n for n in trainable_names(model) if not is_adapter(n)}
     assert routers and all(".router." in n for n in routers)
 
@@ -130,7 +132,7 @@ def test_the_same_adapters_whatever_holds_them():
 @pytest.mark.parametrize("kind", ["ffn", "gated", "gpt_oss"])
 def test_grouped_path_equals_the_loop(kind):
     config = MoEConfig(dim=16, ffn_dim=8, num_experts=3, expert_kind=kind, expert_bias=kind != "gated")
-    config = expert_config(config, LoraConfig(rank=2))
+    config = expert_config(config, LoraConfig(enabled=True, rank=2))
     torch.manual_seed(0)
     bank = ExpertBank.fresh(config, 3)
     with torch.no_grad():
@@ -145,7 +147,7 @@ def test_grouped_path_equals_the_loop(kind):
 
 
 def _hand_made_layer():
-    config = expert_config(MoEConfig(dim=4, ffn_dim=6, num_experts=4, max_experts=8), LoraConfig(rank=2))
+    config = expert_config(MoEConfig(dim=4, ffn_dim=6, num_experts=4, max_experts=8), LoraConfig(enabled=True, rank=2))
     layer = MoELayer(config).double()
     with torch.no_grad():  # every parameter of expert e equals e + 1
         for e, expert in enumerate(layer.experts.experts):
@@ -249,7 +251,7 @@ PEFT_CASES = {
 @pytest.mark.parametrize("family", list(PEFT_CASES))
 def test_exactly_peft(family):
     targets, target_modules = PEFT_CASES[family]
-    ref, model = ours(LoraConfig(rank=RANK, alpha=ALPHA, targets=targets), family=family)
+    ref, model = ours(LoraConfig(enabled=True, rank=RANK, alpha=ALPHA, targets=targets), family=family)
     for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
         assert len(layer.experts) == NUM_EXPERTS
     with torch.no_grad():  # B starts at zero (PEFT's init); non-zero here, so that every gradient means something

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from ...moe.adapters import is_adapter
 from ...moe.config import MoEConfig
 from ...moe.layer import TopAnyRouter, dense_state_tensors
 from ...moe.routing import NativeRule
@@ -113,8 +114,9 @@ class ImportedCheckpoint:
 
 
 def dense_tensors(hf_model: nn.Module) -> List[Tuple[str, Tuple[int, ...]]]:
-    """(name, shape) of what is read by name: the model's dense state (moe.layer.dense_state_tensors)."""
-    return [(name, tuple(t.shape)) for name, t in dense_state_tensors(hf_model)]
+    """(name, shape) of what is read by name: the model's dense state (moe.layer.dense_state_tensors) but LoRA's
+    adapters, which models.lora.init_adapters draws."""
+    return [(name, tuple(t.shape)) for name, t in dense_state_tensors(hf_model) if not is_adapter(name)]
 
 
 def open_imported(directory: Path, hf_model: nn.Module) -> ImportedCheckpoint:

@@ -1,0 +1,58 @@
+"""A run with ``[lora]`` (lora.enabled): an imported Qwen3-MoE trained through the Trainer changes its adapters and
+nothing else (routers included, whose resizes keep them frozen), the optimizer holds state for the adapters only,
+and bad [lora] options fail at start-up in one line."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hf_tiny import corpus_lines, moe_run_settings, save_moe_checkpoint, train_recorded  # noqa: E402
+
+from dynmoe_dist.config import load_config  # noqa: E402
+from dynmoe_dist.moe import MoEConfig  # noqa: E402
+from dynmoe_dist.moe.layer import NativeRouter  # noqa: E402
+from dynmoe_dist.moe.routing import NativeRule  # noqa: E402
+
+LORA = ("lora.enabled=true", "lora.rank=2", "lora.targets=['attention', 'dense_mlp', 'routed_experts']")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    save_moe_checkpoint("qwen3_moe", root / "qwen3_moe", 8)
+    (root / "corpus.txt").write_text("\n".join(corpus_lines(80, 5)) + "\n")
+    return root
+
+
+def trainer(root, *extra):
+    from dynmoe_dist.train.loop import Trainer
+
+    settings = moe_run_settings(root / "qwen3_moe", root / "corpus.txt", 1, *extra, steps=4, batch=7)
+    return Trainer(load_config(None, [*settings, f"output.out_dir='{root / 'out'}'"]))
+
+
+def test_a_lora_run_trains_the_adapters_only(root):
+    run = trainer(root, *LORA)
+    model = run.parts.model
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    adapters = {name for name in before if ".lora_" in name}
+    assert any(".experts.experts.7.lora_a_in" in n for n in adapters) and any("q_proj.lora_a" in n for n in adapters)
+    _, losses, _, _ = train_recorded(run, 4)
+    assert all(loss == loss for loss in losses)  # finite: no NaN
+    changed = {name for name, p in model.named_parameters() if not torch.equal(before[name], p.detach())}
+    assert changed == adapters
+    assert {id(p) for p in run.parts.optimizer.state} == {id(p) for n, p in model.named_parameters() if n in adapters}
+
+
+def test_a_bad_lora_target_fails_at_start(root):
+    with pytest.raises(ValueError, match=r"lora.targets entry \('shared_experts'\) names nothing in this model"):
+        trainer(root, "lora.enabled=true", "lora.targets=['shared_experts']")
+
+
+def test_a_router_resize_keeps_it_frozen():
+    router = NativeRouter(MoEConfig(dim=4, num_experts=4, router="native"), NativeRule(top_k=2, router_bias=True))
+    router.requires_grad_(False)
+    router.resize([0, 2], torch.zeros(1, 4))
+    assert not router.weight.requires_grad and not router.bias.requires_grad
