@@ -153,7 +153,7 @@ def add_dense_adapter(linear: nn.Linear, rank: int, alpha: float) -> None:
     linear.lora_a = nn.Parameter(torch.zeros(rank, in_features, device=like.device, dtype=like.dtype))
     linear.lora_b = nn.Parameter(torch.zeros(out_features, rank, device=like.device, dtype=like.dtype))
     linear.lora_scaling = alpha / rank  # type: ignore[assignment]
-    linear.register_forward_hook(_add_lora_delta)
+    linear.lora_hook = linear.register_forward_hook(_add_lora_delta)  # type: ignore[assignment]  # merge removes it
 
 
 def _add_lora_delta(linear: nn.Module, args: Tuple[Tensor, ...], out_N: Tensor) -> Tensor:
