@@ -109,11 +109,17 @@ def pipelined(directory, prompt):
 
 
 def resaved(directory, new_directory, ids):
-    """A fine-tuner's round trip: the loaded model's save_pretrained (transformers copies the remote code
-    along), then the logits of that directory loaded again."""
+    """A fine-tuner's round trip: the loaded model run once (which may stack its experts' weights for the
+    grouped matmul), its save_pretrained (transformers copies the remote code along), then the logits of
+    that directory loaded again; "stacked": whether the first run stacked them."""
+    import torch
+
     model, _ = load(directory)
+    with torch.no_grad():
+        model(input_ids=torch.tensor(ids))
+    stacked = any(bool(getattr(m, "_stacked", None)) for m in model.modules())
     model.save_pretrained(new_directory)
-    return logits_of({"dir": new_directory, "ids": ids})
+    return {**logits_of({"dir": new_directory, "ids": ids}), "stacked": stacked}
 
 
 def main(manifest_file, out_file):
