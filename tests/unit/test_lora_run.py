@@ -1,6 +1,7 @@
 """A run with ``[lora]`` (lora.enabled): an imported Qwen3-MoE trained through the Trainer changes its adapters and
 nothing else (routers included, whose resizes keep them frozen), the optimizer holds state for the adapters only,
-and bad [lora] options fail at start-up in one line."""
+a run stopped at a checkpoint resumes with the uninterrupted run's losses, and bad [lora] options fail at
+start-up in one line."""
 
 import os
 
@@ -26,11 +27,11 @@ def root(tmp_path_factory):
     return root
 
 
-def trainer(root, *extra):
+def trainer(root, *extra, out="out"):
     from dynmoe_dist.train.loop import Trainer
 
-    settings = moe_run_settings(root / "qwen3_moe", root / "corpus.txt", 1, *extra, steps=4, batch=7)
-    return Trainer(load_config(None, [*settings, f"output.out_dir='{root / 'out'}'"]))
+    settings = moe_run_settings(root / "qwen3_moe", root / "corpus.txt", 1, *extra, steps=6, batch=7)
+    return Trainer(load_config(None, [*settings, f"output.out_dir='{root / out}'"]))
 
 
 def test_a_lora_run_trains_the_adapters_only(root):
@@ -44,6 +45,32 @@ def test_a_lora_run_trains_the_adapters_only(root):
     changed = {name for name, p in model.named_parameters() if not torch.equal(before[name], p.detach())}
     assert changed == adapters
     assert {id(p) for p in run.parts.optimizer.state} == {id(p) for n, p in model.named_parameters() if n in adapters}
+
+
+def losses_to_the_end(root, out, save_at=None, resume=""):
+    """step -> loss of a LoRA run to its last step (resumed from ``resume`` first; saved after ``save_at`` steps)."""
+    from dynmoe_dist.coordination import CollectiveCoordinator
+    from dynmoe_dist.train.run import adaptive_controller, step_once
+
+    run = trainer(root, *LORA, f"output.resume='{resume}'", out=out)
+    adaptive = adaptive_controller(run, CollectiveCoordinator(run.groups))
+    checkpoints = run.checkpoint_manager(adaptive)
+    if resume:
+        checkpoints.resume(resume)
+    losses, saved = {}, ""
+    while run.step < 6:
+        record, _ = step_once(run, adaptive, [])
+        losses[record["step"]] = record["loss"]
+        if run.step == save_at:
+            saved = str(checkpoints.save(run.step))
+    return losses, saved
+
+
+def test_a_lora_run_resumes_exactly(root):
+    whole, saved = losses_to_the_end(root, "whole", save_at=3)
+    resumed, _ = losses_to_the_end(root, "resumed", resume=saved)
+    assert sorted(resumed) == [4, 5, 6]
+    assert all(resumed[step] == whole[step] for step in resumed), (resumed, whole)
 
 
 def test_a_bad_lora_target_fails_at_start(root):
