@@ -1,7 +1,8 @@
-"""A run on a transformers MoE checkpoint (model.path a save_pretrained directory of one of the six
-families): the config it resolves, the model models/build.py builds on the meta device, and the weights
-build_parts reads into it, against transformers' own from_pretrained of the same directory (float64,
-transformers' eager experts: exact). Bad checkpoints and options are one line before any process group.
+"""A run on a transformers MoE checkpoint (model.path a save_pretrained directory of any family, or the
+vision-language model wrapping one): the config it resolves, the model models/build.py builds on the meta
+device, and the weights build_parts reads into it, against transformers' own from_pretrained of the same
+directory (float64, transformers' eager experts: exact). Bad checkpoints and options are one line before
+any process group.
 """
 
 import json
@@ -55,6 +56,33 @@ def test_the_run_reads_the_checkpoint_as_transformers_loads_it(family, tmp_path,
     assert not any(p.is_meta for p in parts.model.parameters())
     cls = causal_lm_class(AutoConfig.from_pretrained(str(directory)))  # Mistral 4: its own class
     theirs = cls.from_pretrained(str(directory), dtype=torch.float64, experts_implementation="eager")
+    ids = torch.randint(2, vocab, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = parts.model.eval()(ids).logits
+        want = theirs.eval()(input_ids=ids).logits
+    torch.testing.assert_close(ours, want, rtol=0, atol=1e-10)
+
+
+def test_a_qwen3_5_vision_language_checkpoint_imports_its_text_model(tmp_path, text_file_here):
+    # The hub's Qwen3.5-MoE checkpoints are the vision-language model: config model_type 'qwen3_5_moe' with the
+    # text config inside, the text model's keys under model.language_model, a vision tower beside it.
+    import transformers
+    from hf_tiny import randomize, save_tokenizer, tiny_config
+
+    vocab = save_tokenizer(tmp_path)
+    text = tiny_config("qwen3_5_moe_text", vocab).to_dict()
+    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=16, patch_size=2)
+    config = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision | dict(temporal_patch_size=1))
+    torch.manual_seed(0)
+    randomize(transformers.Qwen3_5MoeForConditionalGeneration(config)).double().save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3_5_moe"
+    run = load_config(None, run_settings(tmp_path, text_file_here))
+    assert run.moe.num_experts == 6 and run.model.moe_layers == [0, 1, 2]
+    parts = build_parts(run, build_model(run.model, run.moe, ModelNeeds("causal-lm", vocab, max_len=8)))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), dtype=torch.float64, experts_implementation="eager"
+    )
+    assert type(theirs).__name__ == "Qwen3_5MoeForCausalLM"  # transformers' own load: the text model
     ids = torch.randint(2, vocab, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = parts.model.eval()(ids).logits

@@ -71,10 +71,14 @@ class ImportedCheckpoint:
         self.reader = CheckpointReader(directory)
         self.family: MoEFamily = family_of(hf_model)
         self.prefixes: List[str] = sparse_block_prefixes(hf_model)
+        # a vision-language model's files name the text model under a prefix of their own
+        ours, theirs = self.family.wrapped_prefix
+        wrapped = bool(theirs) and any(key.startswith(theirs) for key in self.reader.files)
+        self.renamed = (ours, theirs) if wrapped else None
         self.router_keys: Dict[str, str] = {
             f"{prefix}.moe.router.{name}": key
             for prefix in self.prefixes
-            for name, key in self.family.checkpoint_router_keys(prefix).items()
+            for name, key in self.family.checkpoint_router_keys(self.stored(prefix)).items()
         }
         # A router converted to top-any has thresholds the checkpoint never had: they start at
         # moe.threshold_init (and a calibration may set them), they are not read.
@@ -84,9 +88,15 @@ class ImportedCheckpoint:
             if isinstance(router := hf_model.get_submodule(f"{prefix}.moe.router"), TopAnyRouter)
         }
 
+    def stored(self, name: str) -> str:
+        """``name`` (a key or a block prefix of the model) as the files name it."""
+        if self.renamed is None or not name.startswith(self.renamed[0]):
+            return name
+        return self.renamed[1] + name[len(self.renamed[0]) :]
+
     def key(self, name: str) -> str:
         """The checkpoint's key of the model's parameter or buffer ``name``."""
-        return self.router_keys.get(name, name)
+        return self.router_keys.get(name) or self.stored(name)
 
     def rows(self, name: str, start: int, stop: int) -> Tensor:
         return self.reader.rows(self.key(name), start, stop)
@@ -97,13 +107,13 @@ class ImportedCheckpoint:
 
     def expert(self, layer: int, expert: int) -> Dict[str, Tensor]:
         """Logical expert ``expert`` of MoE layer ``layer`` (the i-th sparse block): parameter name -> tensor."""
-        return self.family.read_expert(self.reader, self.prefixes[layer], expert)
+        return self.family.read_expert(self.reader, self.stored(self.prefixes[layer]), expert)
 
     def check(self, hf_model: nn.Module) -> None:
         """Every tensor the model needs is in the files with the model's shape (headers only): a one-line
         ValueError naming the file and the key otherwise."""
         for prefix in self.prefixes:
-            self.family.check_block_shapes(self.reader, prefix)
+            self.family.check_block_shapes(self.reader, self.stored(prefix))
         for name, want in dense_tensors(hf_model):
             if name in self.new_tensors:
                 continue
@@ -155,7 +165,7 @@ def native_routings(checkpoint: ImportedCheckpoint) -> List[NativeRouting]:
     rule = checkpoint.family.rule()
     routings = []
     for prefix in checkpoint.prefixes:
-        tensors = checkpoint.family.read_router(checkpoint.reader, prefix)
+        tensors = checkpoint.family.read_router(checkpoint.reader, checkpoint.stored(prefix))
         routings.append(
             NativeRouting(rule, tensors["weight"], tensors.get("bias"), tensors.get("e_score_correction_bias"))
         )

@@ -34,10 +34,17 @@ FAMILIES: Dict[str, Type[MoEFamily]] = {
 SUPPORTED_MOE = tuple(FAMILIES)
 
 
+def family_config(config: Any) -> Any:
+    """``config``'s text config where ``config`` wraps a family's (Qwen3.5-MoE's vision-language model), else
+    ``config``."""
+    wrapped = {wrapper for cls in FAMILIES.values() for wrapper in cls.wrapper_model_types}
+    return config.get_text_config() if getattr(config, "model_type", None) in wrapped else config
+
+
 def family_of(model_or_config: Any) -> MoEFamily:
-    """The adapter of a transformers model (or its config), by model_type; checked against what it can
-    reproduce. One-line ValueError naming an unsupported model type."""
-    config = getattr(model_or_config, "config", model_or_config)
+    """The adapter of a transformers model (or its config, or a config wrapping a family's), by model_type;
+    checked against what it can reproduce. One-line ValueError naming an unsupported model type."""
+    config = family_config(getattr(model_or_config, "config", model_or_config))
     model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES:
         raise ValueError(f"model type {model_type!r} is no supported MoE family (supported: {', '.join(FAMILIES)})")
@@ -71,6 +78,7 @@ def causal_lm_class(config: Any) -> Any:
 
 def new_causal_lm(config: Any, **kwargs: Any) -> Any:
     """``config``'s causal LM, freshly initialised (``from_config``), by ``causal_lm_class``."""
+    config = family_config(config)
     cls = causal_lm_class(config)
     return cls.from_config(config, **kwargs) if hasattr(cls, "from_config") else cls._from_config(config, **kwargs)
 
@@ -111,7 +119,7 @@ def imported_moe(directory: Path, field: str = "model.path") -> Optional[Importe
     naming the model type for an MoE family this project does not support, listing those it does."""
     raw = read_config_json(directory, f"{field} ({str(directory)!r})")
     model_type = raw.get("model_type")
-    if model_type not in FAMILIES:
+    if model_type not in FAMILIES and not any(model_type in cls.wrapper_model_types for cls in FAMILIES.values()):
         counts = [key for key in EXPERT_COUNT_KEYS if isinstance(raw.get(key), int) and raw[key] > 0]
         if counts:
             raise ValueError(
@@ -124,4 +132,4 @@ def imported_moe(directory: Path, field: str = "model.path") -> Optional[Importe
     family = family_of(AutoConfig.from_pretrained(str(directory), local_files_only=True))
     top_k = int(family.config.num_experts_per_tok)
     correction = family.rule().correction_bias
-    return ImportedMoE(model_type, family.num_experts(), top_k, tuple(family.sparse_layers()), correction)
+    return ImportedMoE(family.name, family.num_experts(), top_k, tuple(family.sparse_layers()), correction)

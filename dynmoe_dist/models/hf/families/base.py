@@ -12,7 +12,7 @@ needs nothing there. Plain models: no parallel code here.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, ClassVar, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch.nn as nn
 
@@ -30,6 +30,10 @@ class MoEFamily(FamilyLayout):
 
     model_type: ClassVar[str]
     expert_kind: ClassVar[str] = "gated"
+    wrapper_model_types: ClassVar[Tuple[str, ...]] = ()
+    """Model types of the configs that hold this family's as their text config (a vision-language model)."""
+    wrapped_prefix: ClassVar[Tuple[str, str]] = ("", "")
+    """(key prefix in memory, the same in a wrapper's files): how the files of such a wrapper name the text model."""
     causal_lm: ClassVar[Optional[str]] = None
     packs_by_position_ids: ClassVar[bool] = True
     """Whether transformers' attention for this family keeps sequences packed into one row apart when their
