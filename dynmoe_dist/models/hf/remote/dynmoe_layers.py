@@ -272,9 +272,12 @@ class DynMoEExperts(nn.Module):
         return x_TD.new_zeros(x_TD.shape).index_add(0, token_R, weighted_RD)
 
     def groupable(self, rows_RD: Tensor) -> bool:
-        """The grouped matmul: a dtype and row strides it has kernels for, rows to run, and no gradient to give
-        the experts."""
+        """The grouped matmul: a dtype and row strides it has kernels for, rows to run, experts whose weights are
+        here (not offloaded: accelerate's hooks bring them in only for each expert's own forward), and no
+        gradient to give the experts."""
         if rows_RD.shape[0] == 0 or not grouped_mm_runs(rows_RD.device, rows_RD.dtype):
+            return False
+        if any(cast(DynMoEExpert, e).w_in.device != rows_RD.device for e in (self.experts[0], self.experts[-1])):
             return False
         # its kernels want every row stride a multiple of 16 bytes: D and F elements
         if any(n * rows_RD.element_size() % 16 for n in self.row_sizes):
