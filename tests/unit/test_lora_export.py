@@ -30,10 +30,10 @@ from dynmoe_dist.moe.aux_collector import collect_aux_losses  # noqa: E402
 from dynmoe_dist.moe.layer import find_moe_layers, rebuild_experts  # noqa: E402
 from dynmoe_dist.parallel.grads import fill_missing_grads  # noqa: E402
 
-LORA = LoraConfig(rank=4, alpha=8.0, targets=("attention", "dense_mlp", "routed_experts"))
+LORA = LoraConfig(enabled=True, rank=4, alpha=8.0, targets=("attention", "dense_mlp", "routed_experts"))
 # PEFT 0.21 cannot name the dense first MLP (its gate_proj is read as the fused experts'): the unmerged export
 # adapts the rest.
-UNMERGED = LoraConfig(rank=4, alpha=8.0, targets=("attention", "routed_experts"))
+UNMERGED = LoraConfig(enabled=True, rank=4, alpha=8.0, targets=("attention", "routed_experts"))
 IDS = torch.randint(2, 64, (2, 7), generator=torch.Generator().manual_seed(7))
 
 
