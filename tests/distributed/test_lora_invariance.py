@@ -3,21 +3,21 @@ world: ep 1 / 2 / 3 with 8 experts, which 3 does not divide; an uneven global ba
 run's losses in float64 (1e-9): with the dense weights replicated and FSDP-sharded (frozen base, sharded
 adapters), and converted to top-any, whose adaptive events remove and add experts (their adapters going and
 coming with them) and re-place them across ranks. The adapters are drawn by name, so every world starts from
-the same ones.
+the same ones. A run saved on 2 ranks after an event resumes on 3 with the uninterrupted run's losses.
 
-Each world's group is spawned once for the module: one run_simulated call trains every case."""
+Each world's group is spawned once: one run_simulated call trains every case."""
 
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
-from hf_tiny import corpus_lines, moe_run_settings, save_moe_checkpoint, train_recorded  # noqa: E402
+from hf_tiny import changes, corpus_lines, moe_run_settings, save_moe_checkpoint  # noqa: E402
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.parallel.simulate import run_simulated  # noqa: E402
 
-STEPS = 6  # events after steps 2 and 5 (adaptive.period_steps = 3)
+STEPS, SAVE_AT = 6, 4  # events after steps 3 and 6 (adaptive.period_steps = 3)
 LORA = ("lora.enabled=true", "lora.rank=2", "lora.targets=['attention', 'dense_mlp', 'routed_experts']")
 TOP_ANY = ("moe.router='top_any'", "moe.calibrate_k=1", "moe.calibrate_samples=16")
 CASES = {
@@ -27,19 +27,40 @@ CASES = {
 }
 
 
-def train_case(root, world, extra):
+def train_case(root, out, world, extra, save_at=None, resume=""):
+    """step -> loss to STEPS, the expert changes of the events, the test loss, the checkpoint written after
+    ``save_at`` steps (resumed from ``resume`` first)."""
+    from dynmoe_dist.coordination import CollectiveCoordinator
     from dynmoe_dist.train.loop import Trainer
-    from dynmoe_dist.train.run import calibrate_at_start
+    from dynmoe_dist.train.run import adaptive_controller, calibrate_at_start, step_once
 
     settings = moe_run_settings(root / "qwen3_moe", root / "corpus.txt", world, *LORA, *extra, steps=STEPS, batch=7)
-    trainer = Trainer(load_config(None, settings))
-    calibrate_at_start(trainer)
-    _, losses, counts, events = train_recorded(trainer, STEPS)
-    return {"losses": losses, "counts": counts, "events": events, "test_loss": trainer.evaluate()["test_loss"]}
+    trainer = Trainer(load_config(None, [*settings, f"output.out_dir='{out}'", f"output.resume='{resume}'"]))
+    adaptive = adaptive_controller(trainer, CollectiveCoordinator(trainer.groups))
+    checkpoints = trainer.checkpoint_manager(adaptive)
+    if resume:
+        checkpoints.resume(resume)
+    else:
+        calibrate_at_start(trainer)
+    losses, events, saved = {}, [], ""
+    while trainer.step < STEPS:
+        record, new_events = step_once(trainer, adaptive, [])
+        losses[record["step"]] = record["loss"]
+        events += changes(new_events)
+        if trainer.step == save_at:
+            saved = str(checkpoints.save(trainer.step))
+    return {"losses": losses, "events": events, "test_loss": trainer.evaluate()["test_loss"], "checkpoint": saved}
 
 
-def worker(root, world):
-    return {name: train_case(root, world, extra) for name, extra in CASES.items()}
+def worker(root, world, saved):
+    """Every case whole at ep = world; at world 2 also saved after SAVE_AT steps, at world 3 also resumed."""
+    results = {}
+    for name, extra in CASES.items():
+        out = root / f"{name}-{world}"
+        results[name] = train_case(root, out, world, extra, save_at=SAVE_AT if world == 2 else None)
+        if name in saved:
+            results[(name, "resumed")] = train_case(root, f"{out}-resumed", world, extra, resume=saved[name])
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +71,38 @@ def root(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_lora_trains_alike_on_two_and_three_ranks(root, world):
-    reference = worker(root, 1)
+@pytest.fixture(scope="module")
+def reference(root):
+    return worker(root, 1, {})
+
+
+@pytest.fixture(scope="module")
+def two_ranks(root):
+    return run_simulated(worker, 2, args=(root, 2, {}), timeout_s=900)
+
+
+def assert_alike(got, want, what, steps=range(1, STEPS + 1)):
+    assert sorted(got["losses"]) == list(steps), what
+    for step in steps:
+        a, b = got["losses"][step], want["losses"][step]
+        assert abs(a - b) <= 1e-9 * abs(b), f"{what} step {step}: {a} != {b}"
+    assert abs(got["test_loss"] - want["test_loss"]) <= 1e-9 * want["test_loss"], what
+
+
+def test_two_ranks_train_like_one(reference, two_ranks):
     assert reference["top-any"]["events"], "the top-any case must add or remove experts"
-    for rank, results in enumerate(run_simulated(worker, world, args=(root, world), timeout_s=900)):
-        for name, want in reference.items():
-            got = results[name]
-            for step, (a, b) in enumerate(zip(got["losses"], want["losses"], strict=True)):
-                assert abs(a - b) <= 1e-9 * abs(b), f"{name} rank {rank} step {step}: {a} != {b}"
-            assert got["counts"] == want["counts"] and got["events"] == want["events"], name
-            assert abs(got["test_loss"] - want["test_loss"]) <= 1e-9 * want["test_loss"], name
+    for rank, results in enumerate(two_ranks):
+        for name in CASES:
+            assert_alike(results[name], reference[name], f"{name} world 2 rank {rank}")
+            assert results[name]["events"] == reference[name]["events"], name
+
+
+def test_three_ranks_train_like_one_and_resume_the_two_rank_run(root, reference, two_ranks):
+    saved = {name: two_ranks[0][name]["checkpoint"] for name in CASES}
+    assert all(saved.values())
+    for rank, results in enumerate(run_simulated(worker, 3, args=(root, 3, saved), timeout_s=900)):
+        for name in CASES:
+            assert_alike(results[name], reference[name], f"{name} world 3 rank {rank}")
+            assert results[name]["events"] == reference[name]["events"], name
+            later = range(SAVE_AT + 1, STEPS + 1)
+            assert_alike(results[(name, "resumed")], reference[name], f"{name} resumed on 3, rank {rank}", later)
