@@ -41,6 +41,13 @@ def text_file_here(tmp_path_factory):
     return path
 
 
+def assert_same_logits(ours, theirs, vocab):
+    ids = torch.randint(2, vocab, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = ours.eval()(ids).logits, theirs.eval()(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_run_reads_the_checkpoint_as_transformers_loads_it(family, tmp_path, text_file_here):
     from transformers import AutoConfig
@@ -56,11 +63,7 @@ def test_the_run_reads_the_checkpoint_as_transformers_loads_it(family, tmp_path,
     assert not any(p.is_meta for p in parts.model.parameters())
     cls = causal_lm_class(AutoConfig.from_pretrained(str(directory)))  # Mistral 4: its own class
     theirs = cls.from_pretrained(str(directory), dtype=torch.float64, experts_implementation="eager")
-    ids = torch.randint(2, vocab, (2, 7), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ours = parts.model.eval()(ids).logits
-        want = theirs.eval()(input_ids=ids).logits
-    torch.testing.assert_close(ours, want, rtol=0, atol=1e-10)
+    assert_same_logits(parts.model, theirs, vocab)
 
 
 def test_a_qwen3_5_vision_language_checkpoint_imports_its_text_model(tmp_path, text_file_here):
@@ -83,11 +86,7 @@ def test_a_qwen3_5_vision_language_checkpoint_imports_its_text_model(tmp_path, t
         str(tmp_path), dtype=torch.float64, experts_implementation="eager"
     )
     assert type(theirs).__name__ == "Qwen3_5MoeForCausalLM"  # transformers' own load: the text model
-    ids = torch.randint(2, vocab, (2, 7), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ours = parts.model.eval()(ids).logits
-        want = theirs.eval()(input_ids=ids).logits
-    torch.testing.assert_close(ours, want, rtol=0, atol=1e-10)
+    assert_same_logits(parts.model, theirs, vocab)
 
 
 def test_the_config_takes_the_models_blocks_and_expert_count(tmp_path, text_file_here):

@@ -28,9 +28,15 @@ def dynmoe_config_class(stock: Any) -> Any:
     return _MADE[name]
 
 
+def stock_class(module: str, name: str, suffix: str) -> Any:
+    """The transformers class ``<Stock><suffix>`` that ``name`` (``DynMoE<Stock><suffix>``) asks ``module``
+    for; AttributeError (what a missing module attribute raises) for any other name."""
+    stock = getattr(transformers, name[len(PREFIX) :], None) if name.startswith(PREFIX) else None
+    if stock is None or not name.endswith(suffix):
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    return stock
+
+
 def __getattr__(name: str) -> Any:
     """``DynMoE<Stock>Config`` for any transformers config class ``<Stock>Config`` (PEP 562)."""
-    stock = getattr(transformers, name[len(PREFIX) :], None) if name.startswith(PREFIX) else None
-    if stock is None or not name.endswith(SUFFIX):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return dynmoe_config_class(stock)
+    return dynmoe_config_class(stock_class(__name__, name, SUFFIX))

@@ -18,12 +18,11 @@ exported model trains with the LM loss only.
 from typing import Any, Dict
 
 import torch.nn as nn
-import transformers
 
-from .configuration_dynmoe_moe import dynmoe_config_class
+from .configuration_dynmoe_moe import PREFIX, dynmoe_config_class, stock_class
 from .dynmoe_layers import BLOCKS, DynMoELayer, install_moe
 
-PREFIX, SUFFIX = "DynMoE", "ForCausalLM"
+SUFFIX = "ForCausalLM"
 _MADE: Dict[str, Any] = {}
 
 
@@ -78,7 +77,4 @@ def dynmoe_model_class(stock: Any) -> Any:
 
 def __getattr__(name: str) -> Any:
     """``DynMoE<Stock>ForCausalLM`` for any transformers causal LM class ``<Stock>ForCausalLM`` (PEP 562)."""
-    stock = getattr(transformers, name[len(PREFIX) :], None) if name.startswith(PREFIX) else None
-    if stock is None or not name.endswith(SUFFIX):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return dynmoe_model_class(stock)
+    return dynmoe_model_class(stock_class(__name__, name, SUFFIX))
