@@ -226,6 +226,14 @@ def save_tiny(family, directory, vocab_size=64, **overrides):
     return directory
 
 
+def save_moe_run_files(root, family, num_experts):
+    """root/<family>: the family's checkpoint with ``num_experts`` experts (save_moe_checkpoint); root/corpus.txt:
+    80 lines of text. Returns root."""
+    save_moe_checkpoint(family, root / family, num_experts)
+    (root / "corpus.txt").write_text("\n".join(corpus_lines(80, 5)) + "\n")
+    return root
+
+
 def corpus_lines(n=60, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [

@@ -12,7 +12,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
-from hf_tiny import changes, corpus_lines, moe_run_settings, save_moe_checkpoint  # noqa: E402
+from hf_tiny import changes, moe_run_settings, save_moe_run_files  # noqa: E402
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.parallel.simulate import run_simulated  # noqa: E402
@@ -65,10 +65,7 @@ def worker(root, world, saved):
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora")
-    save_moe_checkpoint("qwen3_moe", root / "qwen3_moe", 8)
-    (root / "corpus.txt").write_text("\n".join(corpus_lines(80, 5)) + "\n")
-    return root
+    return save_moe_run_files(tmp_path_factory.mktemp("lora"), "qwen3_moe", 8)
 
 
 @pytest.fixture(scope="module")

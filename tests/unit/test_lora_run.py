@@ -9,7 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hf_tiny import corpus_lines, moe_run_settings, save_moe_checkpoint, train_recorded  # noqa: E402
+from hf_tiny import moe_run_settings, save_moe_run_files, train_recorded  # noqa: E402
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.moe import MoEConfig  # noqa: E402
@@ -21,10 +21,7 @@ LORA = ("lora.enabled=true", "lora.rank=2", "lora.targets=['attention', 'dense_m
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora")
-    save_moe_checkpoint("qwen3_moe", root / "qwen3_moe", 8)
-    (root / "corpus.txt").write_text("\n".join(corpus_lines(80, 5)) + "\n")
-    return root
+    return save_moe_run_files(tmp_path_factory.mktemp("lora"), "qwen3_moe", 8)
 
 
 def trainer(root, *extra, out="out"):
