@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from dataclasses import replace
 from pathlib import Path
-from typing import Dict, Mapping, Union
+from typing import Any, Dict, Mapping, Union, cast
 
 import torch
 import torch.nn as nn
@@ -32,6 +34,9 @@ import torch.nn as nn
 from .data.tokenizers import load_tokenizer
 from .models.build import build_model
 from .models.hf.export_files import MAX_SHARD_SIZE, prepare_out_dir, shard_size_bytes
+from .models.lora import apply_lora, expert_config
+from .models.lora_export import export_lora
+from .models.source import ModelSource
 from .moe.experts import expert_key
 from .moe.layer import dense_state_tensors, find_moe_layers, rebuild_experts
 from .tasks.base import ModelNeeds
@@ -42,7 +47,7 @@ from .train.checkpoint import (
     read_checkpoint_meta,
     saved_expert_counts,
 )
-from .train.model_files import checked_definition, tokenizer_path
+from .train.model_files import checked_base, checked_definition, tokenizer_path
 from .train.progress import WaitBar
 
 
@@ -92,19 +97,24 @@ def fill_dense(model: nn.Module, dense: Mapping[str, torch.Tensor], where: Path)
 EXPORT_STAGES = 4  # build the model, read the checkpoint, fill its weights, write the folder
 
 
-def export(checkpoint, out, max_shard_size: Union[int, str] = MAX_SHARD_SIZE, progress: bool = True) -> Path:
-    """The export; ``progress`` shows a bar over its stages (reading and writing a large model takes minutes)."""
+def export(
+    checkpoint, out, max_shard_size: Union[int, str] = MAX_SHARD_SIZE, progress: bool = True, adapter: bool = False
+) -> Path:
+    """The export; ``progress`` shows a bar over its stages (reading and writing a large model takes minutes).
+    A LoRA run is written merged, or with ``adapter`` as a PEFT adapter of its base (models/lora_export.py)."""
     checkpoint, out = checkpoint_or_last(Path(checkpoint)), Path(out)
     meta, run = read_checkpoint(checkpoint)
-    if run.lora.enabled:
-        raise ValueError(f"{checkpoint}: a LoRA run (lora.enabled) cannot be exported yet, merged or as a PEFT adapter")
+    if adapter and not run.lora.enabled:
+        raise ValueError(f"--adapter: CHECKPOINT ({str(checkpoint)!r}) is no LoRA run (lora.enabled is false)")
     with WaitBar(f"exporting {checkpoint.name}", EXPORT_STAGES, "stage", enabled=progress) as bar:
         saved = checked_definition(checkpoint, meta["states"].get("model"))
         definition = str(saved) if saved else run.model.path
         tokenizer_at = str(saved) if saved else tokenizer_path(run)
         tokenizer = load_tokenizer(tokenizer_at, "task.tokenizer")
         needs = ModelNeeds("causal-lm", len(tokenizer), max_len=run.task.max_len, tokenizer=tokenizer_at)
-        source = build_model(run.model, run.moe, needs, definition=definition)
+        source = build_model(run.model, expert_config(run.moe, run.lora), needs, definition=definition)
+        if run.lora.enabled:
+            apply_lora(source.model, run.lora)  # the adapters' places, filled from the checkpoint below
         source.check_exportable()  # a base without remote-code classes fails before any weight is read
         bar.advance()
         dense, experts = read_checkpoint_dense(checkpoint), read_checkpoint_experts(checkpoint)
@@ -115,8 +125,28 @@ def export(checkpoint, out, max_shard_size: Union[int, str] = MAX_SHARD_SIZE, pr
         fill_experts(source.model, experts, meta, checkpoint)
         fill_dense(source.model, dense, checkpoint)
         bar.advance()
-        written = source.save(out, tokenizer, int(meta["step"]), run.model.path, max_shard_size)
+        written = write(source, run, meta, out, tokenizer, max_shard_size, adapter)
         bar.advance()
+    return written
+
+
+def write(source: ModelSource, run, meta: Dict, out: Path, tokenizer, max_shard_size, adapter: bool) -> Path:
+    """The filled model into ``out``: as it is, a LoRA run's merged (in the source's own format), or its PEFT
+    adapter (``adapter``; the base at model.path checked to be the run's) unless it cannot apply, which a
+    one-line note on stderr says before the merged model is written."""
+    step, base = int(meta["step"]), run.model.path
+    if not run.lora.enabled:
+        return source.save(out, tokenizer, step, base, max_shard_size)
+    if adapter:
+        checked_base(meta["states"].get("model"), base)
+
+    def save_merged(_: nn.Module, where: Path) -> Path:  # the plain model's MoE options: no adapters left
+        return replace(cast(Any, source), moe=run.moe).save(where, tokenizer, step, base, max_shard_size)
+
+    hf_model = cast(Any, source.model).transformers_model()
+    written, note = export_lora(hf_model, run.lora, base, out, adapter, save_merged)
+    if note is not None:
+        print(f"note: {note}", file=sys.stderr)
     return written
 
 
@@ -143,11 +173,18 @@ def main(argv=None) -> None:
         help=f"above this the weights go into shards with an index, as save_pretrained writes them "
         f"(default {MAX_SHARD_SIZE!r}, save_pretrained's; e.g. '5GB', '500MB')",
     )
+    parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA run (lora.enabled) as a PEFT adapter directory of its base (adapter_config.json, "
+        "adapter_model.safetensors) instead of merged into the base's weights; only for native routing and "
+        "experts unchanged (otherwise a note says why and the merged model is written)",
+    )
     args = parser.parse_args(argv)
     try:
         shard_size_bytes(args.max_shard_size)
         prepare_out_dir(Path(args.out), Path(args.checkpoint), args.overwrite)
-        out = export(args.checkpoint, args.out, args.max_shard_size)
+        out = export(args.checkpoint, args.out, args.max_shard_size, adapter=args.adapter)
     except ValueError as err:
         parser.exit(2, f"error: {err}\n")
     print(json.dumps({"out": str(out), "files": sorted(p.name for p in out.iterdir())}))

@@ -104,18 +104,22 @@ def _strip(module: nn.Module, names: Tuple[str, ...]) -> None:
 
 
 # -- unmerged ----------------------------------------------------------------------------------------------
-def unmerged_refusal(model: nn.Module, lora: LoraConfig, base_num_experts: int) -> Optional[str]:
-    """Why an unmerged adapter cannot apply to the base the run started from (None when it can): a router
-    converted to top-any, experts pruned or added, a family whose fused layout is not checked against PEFT's
-    (``peft_expert_layout``), or dense MLP adapters PEFT cannot name."""
-    from .hf.families import family_of
+def unmerged_refusal(model: nn.Module, lora: LoraConfig, base_config) -> Optional[str]:
+    """Why an unmerged adapter cannot apply to the base the run started from (its transformers config; None when
+    it can): experts upcycled from a dense base, a router converted to top-any, experts pruned or added, a family
+    whose fused layout is not checked against PEFT's (``peft_expert_layout``), dense MLP adapters PEFT cannot
+    name."""
+    from .hf.families import family_of, is_family
 
-    family = family_of(model)
     layers = moe_layers(model)
     converted = sorted({layer.config.router for layer in layers} - {"native"})
     counts = [len(layer.experts) for layer in layers]
     unnameable = [target for target in lora.targets if target in MLP_TARGETS]
-    if converted:
+    family = family_of(base_config) if is_family(str(getattr(base_config, "model_type", ""))) else None
+    base_num_experts = family.num_experts() if family is not None else 0
+    if family is None:
+        why = "its MoE layers were upcycled from the dense MLPs of a base that has no experts"
+    elif converted:
         why = f"its routers were converted to {converted[0]!r}, which the base's own routing does not compute"
     elif any(count != base_num_experts for count in counts):
         why = f"its MoE layers hold {counts} experts where the base has {base_num_experts} in each"
@@ -154,10 +158,10 @@ def save_peft_adapter(model: nn.Module, lora: LoraConfig, base: str, out: Path) 
     from peft import get_peft_model
     from transformers import AutoConfig
 
-    from .hf.families import causal_lm_class, family_of
+    from .hf.families import causal_lm_class
 
     base_config = AutoConfig.from_pretrained(base, local_files_only=True)
-    refusal = unmerged_refusal(model, lora, family_of(base_config).num_experts())
+    refusal = unmerged_refusal(model, lora, base_config)
     if refusal is not None:
         raise UnmergedRefused(refusal)
     with torch.device("meta"):

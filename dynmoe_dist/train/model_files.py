@@ -116,3 +116,19 @@ def checked_definition(checkpoint: Path, entry: Optional[Dict[str, Any]]) -> Opt
             f"{entry['definition']}"
         )
     return directory
+
+
+def checked_base(entry: Optional[Dict[str, Any]], path: str) -> None:
+    """The base at ``path`` must be the one the checkpoint was trained from (what an unmerged adapter applies
+    to): a one-line ValueError naming both content hashes and the path otherwise."""
+    from ..models.source import base_files
+
+    saved = (entry or {}).get("base")
+    if saved is None:
+        raise ValueError(f"the checkpoint names no base to check model.path ({path!r}) against")
+    have = files_digest(base_files(path)) if Path(path).expanduser().exists() else "no files"
+    if have != saved["digest"]:
+        raise ValueError(
+            f"model.path ({path!r}) has content {have}; the checkpoint was trained from a base with content "
+            f"{saved['digest']} (model.path {saved['path']!r})"
+        )

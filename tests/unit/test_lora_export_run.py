@@ -1,0 +1,116 @@
+"""``python -m dynmoe_dist.export`` of a LoRA run (lora.enabled) trained through the Trainer on the tiny Qwen3-MoE
+(float64): by default merged in the stock format, which plain transformers loads with the run's logits; with
+``--adapter`` a PEFT adapter directory PEFT loads onto the base with the run's logits (a run whose experts did
+not change); a top-any run (routers converted) gets a one-line note and the merged remote-code model; an
+adapter against a base whose content changed is a one-line error."""
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hf_tiny import corpus_lines, moe_run_settings, save_moe_checkpoint  # noqa: E402
+
+from dynmoe_dist.config import load_config  # noqa: E402
+from dynmoe_dist.export import main  # noqa: E402
+from dynmoe_dist.moe.aux_collector import collect_aux_losses  # noqa: E402
+
+TOP_ANY = ("moe.router='top_any'", "moe.calibrate_k=1", "moe.calibrate_samples=12")
+LORA = ("lora.enabled=true", "lora.rank=2", "lora.alpha=4.0", "lora.targets=['attention', 'routed_experts']")
+
+
+def trained(root, name, *extra):
+    """(the Trainer after 4 steps, its checkpoint) of a LoRA run on the base at root/base."""
+    from dynmoe_dist.train.loop import Trainer
+    from dynmoe_dist.train.run import run
+
+    settings = moe_run_settings(root / "base", root / "corpus.txt", 1, *LORA, *extra, steps=4, batch=7)
+    config = load_config(None, [*settings, f"output.out_dir='{root / name}'"])
+    trainer = Trainer(config)
+    run(config, trainer)
+    return trainer, next((root / name / "checkpoints").glob("step_*"))
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_export")
+    _, vocab = save_moe_checkpoint("qwen3_moe", root / "base")
+    assert vocab > 8
+    (root / "corpus.txt").write_text("\n".join(corpus_lines(80, 5)) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def steady(root):
+    return trained(root, "steady", "adaptive.enabled=false")
+
+
+IDS = torch.randint(2, 8, (2, 7), generator=torch.Generator().manual_seed(3))  # inside the word-level vocabulary
+
+
+def logits(model):
+    model.eval()
+    with torch.no_grad(), collect_aux_losses():
+        return model(input_ids=IDS).logits
+
+
+def load(directory):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(directory), experts_implementation="eager", dtype=torch.float64)
+
+
+def export_cli(checkpoint, out, *flags, capsys):
+    main([str(checkpoint), "--out", str(out), *flags])
+    captured = capsys.readouterr()
+    return json.loads(captured.out.strip().splitlines()[-1]), captured.err
+
+
+def test_merged_by_default(root, steady, tmp_path, capsys):
+    trainer, checkpoint = steady
+    expected = logits(trainer.model)
+    assert (expected - logits(load(root / "base"))).abs().max() > 1e-4  # the adapters trained
+    printed, _ = export_cli(checkpoint, tmp_path / "merged", capsys=capsys)
+    assert "model.safetensors" in printed["files"] and "adapter_config.json" not in printed["files"]
+    torch.testing.assert_close(logits(load(tmp_path / "merged")), expected, rtol=0, atol=1e-10)
+
+
+def test_adapter_loads_onto_the_base(root, steady, tmp_path, capsys):
+    from peft import PeftModel
+
+    trainer, checkpoint = steady
+    printed, err = export_cli(checkpoint, tmp_path / "adapter", "--adapter", capsys=capsys)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(printed["files"]) and "note:" not in err
+    loaded = PeftModel.from_pretrained(load(root / "base"), str(tmp_path / "adapter"))
+    torch.testing.assert_close(logits(loaded), logits(trainer.model), rtol=0, atol=1e-10)
+
+
+def test_a_top_any_run_gets_the_merged_remote_code_model_and_a_note(root, tmp_path, capsys):
+    """Converted routers: the unmerged adapter is refused in one note and the merged model is written with remote
+    code, which transformers loads (trust_remote_code) with the run's logits."""
+    from transformers import AutoModelForCausalLM
+
+    trainer, checkpoint = trained(root, "top_any", *TOP_ANY)
+    printed, err = export_cli(checkpoint, tmp_path / "out", "--adapter", capsys=capsys)
+    notes = [line for line in err.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "unchanged base" in notes[0] and "converted to 'top_any'" in notes[0]
+    assert notes[0].endswith("writing the merged model instead")
+    assert "modeling_dynmoe.py" in printed["files"] and "adapter_config.json" not in printed["files"]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["dynmoe"]["moe"]["adapter_rank"] == 0  # the plain model: no adapters to build
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True, dtype=torch.float64)
+    torch.testing.assert_close(logits(merged), logits(trainer.model), rtol=0, atol=1e-10)
+
+
+def test_an_adapter_against_a_changed_base_is_one_line(root, steady):
+    from dynmoe_dist.train.checkpoint import read_checkpoint_meta
+    from dynmoe_dist.train.model_files import checked_base
+
+    entry = read_checkpoint_meta(steady[1])[0]["states"]["model"]
+    checked_base(entry, str(root / "base"))  # the base the run was trained from
+    changed = {"base": {**entry["base"], "digest": "0" * 32}}
+    with pytest.raises(ValueError, match=r"model.path \(.*base'\) has content \w+; .* with content 0{32}") as err:
+        checked_base(changed, str(root / "base"))
+    assert "\n" not in str(err.value)
