@@ -1,6 +1,7 @@
 """Expert-parallel MoE layer == single-process layer built from the same weights: outputs and
 gradients (input, router, every expert), float64, world sizes 1-4, E in {4, 5, 8}, every ep size,
-uneven tokens per rank (a rank with none), all-k=0 batches and replicated placements.
+uneven tokens per rank (a rank with none), all-k=0 batches and replicated placements (also with LoRA adapters
+on frozen experts).
 
 One simulated cluster per world size runs every case (process start-up dominates otherwise).
 """
@@ -42,6 +43,8 @@ def _cases(world):
         for e in range(1, 5):
             per_rank[(e - 1) % world].append(e)
         cases.append(dict(E=5, ep=world, router="top_any", seed=7, experts_per_rank=per_rank))
+        # the same under LoRA: the experts' weights frozen, the replicas' adapter gradients summed
+        cases.append(dict(E=5, ep=world, router="top_any", seed=8, experts_per_rank=per_rank, adapter_rank=2))
     return cases
 
 
@@ -54,6 +57,8 @@ def _layer(case):
         router=case["router"],
         top_k=2,
         aux_losses=None if case["router"] != "top_any" else ("diverse", "simple", "load_balance", "efficiency"),
+        adapter_rank=case.get("adapter_rank", 0),
+        adapter_alpha=4.0 if case.get("adapter_rank") else 0.0,
     )
     layer = MoELayer(cfg).double()
     for p in layer.experts.parameters():
@@ -83,7 +88,7 @@ def _run_case(case, layer, shards, x, cot, groups):
     res = layer(x)
     ((res.output * cot).sum() + res.aux_loss).backward()
     GradSync(layer, groups).sync(shards)
-    experts = {e: [p.grad.clone() for p in m.parameters()] for e, m in shards[0].local_modules()}
+    experts = {e: [p.grad.clone() for p in m.parameters() if p.requires_grad] for e, m in shards[0].local_modules()}
     return dict(
         output=res.output.detach(),
         x_grad=x.grad,
