@@ -330,9 +330,11 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     check_resume(config.output)
     # Imported here: the tasks import torch and the models, which config.py must not need to load.
     from ..models.build import check_model_config, check_packed_attention
+    from ..models.lora import check_run_support
     from ..tasks import task_spec, validate_run_config
 
     check_native_router(config.model, config.moe.router)
+    check_run_support(config.lora)
     validate_run_config(config)
     spec = task_spec(config.task.name)
     check_model_config(config.model, spec.model_kind)

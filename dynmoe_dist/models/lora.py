@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from ..moe import nf4
 from ..moe.adapters import SIDES, drawn_a, has_adapters, is_adapter, lora_delta, scaling
 from ..moe.config import MoEConfig, _require
 from ..moe.experts import expert_key
@@ -41,7 +42,7 @@ TARGETS = {
     "shared_experts": "the always-on shared experts (DeepSeek-V3's shared_experts, Qwen2-MoE's shared_expert)",
 }
 ROUTER_MODES = ("frozen", "trainable")
-BASE_DTYPES = ("run",)
+BASE_DTYPES = ("run", "nf4")
 _SHARED = (".shared_experts.", ".shared_expert.")
 
 
@@ -62,7 +63,8 @@ class LoraConfig:
     router: str = "frozen"
     """The routers: 'frozen' (PEFT's default: the routing of the base stays) or 'trainable' (trained in full)."""
     base_dtype: str = "run"
-    """The frozen base's dtype: 'run' (train.precision's). ('bfloat16' and 'nf4', QLoRA, are not supported yet.)"""
+    """The frozen base's dtype: 'run' (train.precision's) or 'nf4' (QLoRA: the adapted projections' and the routed
+    experts' weights stored 4-bit, moe/nf4.py; needs torchao). ('bfloat16' is not supported yet.)"""
 
     def __post_init__(self) -> None:
         self.targets = tuple(self.targets)
@@ -73,11 +75,9 @@ class LoraConfig:
             _require(target in TARGETS, f"lora.targets entry ({target!r}) must be one of {tuple(TARGETS)}")
         _require(len(set(self.targets)) == len(self.targets), f"lora.targets ({list(self.targets)}) repeats a name")
         _require(self.router in ROUTER_MODES, f"lora.router ({self.router!r}) must be one of {ROUTER_MODES}")
-        _require(
-            self.base_dtype != "nf4",
-            "lora.base_dtype ('nf4'): QLoRA (a 4-bit base) is not supported yet; use 'run'",
-        )
         _require(self.base_dtype in BASE_DTYPES, f"lora.base_dtype ({self.base_dtype!r}) must be one of {BASE_DTYPES}")
+        if self.base_dtype == "nf4":
+            nf4.check_backend()
 
 
 def expert_config(moe: MoEConfig, lora: LoraConfig) -> MoEConfig:
@@ -111,7 +111,8 @@ def moe_layers(model: nn.Module) -> List[MoELayer]:
 def apply_lora(model: nn.Module, lora: LoraConfig) -> None:
     """Adapters on every dense target, every parameter that is no adapter frozen (routers as ``lora.router``
     says). The MoE layers must have been built with ``expert_config``. One-line ValueErrors, before anything
-    changes: a target that names nothing (listing those that exist), a rank above a target's smallest dimension."""
+    changes: a target that names nothing (listing those that exist), a rank above a target's smallest dimension.
+    With ``base_dtype = 'nf4'`` the weights are stored NF4 afterwards, by ``quantize_base``."""
     dense = dense_targets(model)
     layers = moe_layers(model)
     present = [t for t in TARGETS if (dense[t] if t in dense else layers)]
@@ -128,6 +129,32 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> None:
     for _, linear in chosen:
         add_dense_adapter(linear, lora.rank, lora.alpha)
     freeze_base(model, lora.router == "trainable")
+
+
+def quantize_base(model: nn.Module) -> None:
+    """QLoRA (``base_dtype = 'nf4'``): the frozen weights of every adapted dense projection and of every routed
+    expert stored NF4 (moe/nf4.py), on a model ``apply_lora`` made and whose weights are final (a later
+    ``model.to(dtype)`` would dequantise them). One-line ValueError, before any changes, for a weight NF4 cannot
+    store."""
+    adapted = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and hasattr(m, "lora_a")]
+    nf4.quantize(base_weights(adapted, moe_layers(model)))
+
+
+def check_run_support(lora: LoraConfig) -> None:
+    """A training run cannot hold an NF4 base yet: its expert migration, FSDP and checkpoints copy plain tensors."""
+    if lora.enabled and lora.base_dtype == "nf4":
+        raise ValueError(
+            "lora.base_dtype ('nf4'): a training run cannot hold an NF4 base yet (expert migration, FSDP and "
+            "checkpoints are not wired for it); use 'run'"
+        )
+
+
+def base_weights(linears: Sequence[Tuple[str, nn.Linear]], layers: Sequence[MoELayer]) -> List[nf4.Weight]:
+    """What QLoRA stores NF4: the adapted dense projections' weights and every routed expert's."""
+    weights: List[nf4.Weight] = [(linear, "weight", f"{name}.weight") for name, linear in linears]
+    for index, layer in enumerate(layers):
+        weights += nf4.expert_weights(list(layer.experts.experts), f"MoE layer {index} expert")
+    return weights
 
 
 def _check_rank(rank: int, name: str, shape: Tuple[int, ...]) -> None:

@@ -30,6 +30,7 @@ from torch import Tensor
 from ..kernels.grouped_gemm import grouped_mm
 from .adapters import add_adapters, grouped_side_deltas, plus, side_deltas
 from .config import MoEConfig
+from .nf4 import holds_nf4
 
 # 'gelu_tanh' is GPT-2's gelu_new / HF's gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 ACTIVATION_FNS: Dict[str, Callable[[Tensor], Tensor]] = {
@@ -259,7 +260,7 @@ class ExpertBank(nn.Module):
             return self._loop(rows_RD, counts_e, sizes_e)
         if len(self.experts) == 0 or rows_RD.shape[0] == 0:
             return 0.0 * rows_RD  # zeros that stay in the graph: the backward exchange must still run
-        if use_grouped_mm(self.config.expert_compute, rows_RD):
+        if use_grouped_mm(self.config.expert_compute, rows_RD) and not holds_nf4(self.experts):
             return self._grouped(rows_RD, counts_e)
         return self._loop(rows_RD, counts_e, sizes_e)
 

@@ -56,7 +56,6 @@ TRAIN = SimpleNamespace(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.1)
         ({"rank": 0}, r"lora.rank \(0\) must be >= 1"),
         ({"targets": ("attention", "mlp")}, r"lora.targets entry \('mlp'\) must be one of"),
         ({"router": "sometimes"}, r"lora.router \('sometimes'\) must be one of"),
-        ({"base_dtype": "nf4"}, r"lora.base_dtype \('nf4'\): QLoRA .* not supported yet"),
     ],
 )
 def test_bad_options_are_one_line(fields, message):
