@@ -17,6 +17,9 @@ imported transformers MoE trained with its own routing (moe.router = 'native') i
 stock format instead (models/hf/stock_layout.py): same model_type, the fused layout of the files, the
 expert count of what remains; plain transformers loads it without trust_remote_code.
 Only runs with model.source = 'hf' export (the built-in models are not transformers models).
+A LoRA run (lora.enabled) is built with its adapters, filled, and written merged (each adapter folded into its
+weight) in the same format, or with ``--adapter`` as a PEFT adapter directory of the base at model.path where
+one can apply to it (models/lora_export.py; otherwise a one-line note and the merged model).
 """
 
 from __future__ import annotations

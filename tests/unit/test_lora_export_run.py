@@ -11,12 +11,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hf_tiny import corpus_lines, moe_run_settings, save_moe_checkpoint  # noqa: E402
+from hf_tiny import NUM_EXPERTS, moe_run_settings, save_moe_run_files  # noqa: E402
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.export import main  # noqa: E402
 from dynmoe_dist.moe.aux_collector import collect_aux_losses  # noqa: E402
 
+BASE = "qwen3_moe"  # root/qwen3_moe: the base every run starts from
 TOP_ANY = ("moe.router='top_any'", "moe.calibrate_k=1", "moe.calibrate_samples=12")
 LORA = ("lora.enabled=true", "lora.rank=2", "lora.alpha=4.0", "lora.targets=['attention', 'routed_experts']")
 
@@ -26,7 +27,7 @@ def trained(root, name, *extra):
     from dynmoe_dist.train.loop import Trainer
     from dynmoe_dist.train.run import run
 
-    settings = moe_run_settings(root / "base", root / "corpus.txt", 1, *LORA, *extra, steps=4, batch=7)
+    settings = moe_run_settings(root / BASE, root / "corpus.txt", 1, *LORA, *extra, steps=4, batch=7)
     config = load_config(None, [*settings, f"output.out_dir='{root / name}'"])
     trainer = Trainer(config)
     run(config, trainer)
@@ -35,11 +36,7 @@ def trained(root, name, *extra):
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora_export")
-    _, vocab = save_moe_checkpoint("qwen3_moe", root / "base")
-    assert vocab > 8
-    (root / "corpus.txt").write_text("\n".join(corpus_lines(80, 5)) + "\n")
-    return root
+    return save_moe_run_files(tmp_path_factory.mktemp("lora_export"), BASE, NUM_EXPERTS)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +68,7 @@ def export_cli(checkpoint, out, *flags, capsys):
 def test_merged_by_default(root, steady, tmp_path, capsys):
     trainer, checkpoint = steady
     expected = logits(trainer.model)
-    assert (expected - logits(load(root / "base"))).abs().max() > 1e-4  # the adapters trained
+    assert (expected - logits(load(root / BASE))).abs().max() > 1e-4  # the adapters trained
     printed, _ = export_cli(checkpoint, tmp_path / "merged", capsys=capsys)
     assert "model.safetensors" in printed["files"] and "adapter_config.json" not in printed["files"]
     torch.testing.assert_close(logits(load(tmp_path / "merged")), expected, rtol=0, atol=1e-10)
@@ -83,7 +80,7 @@ def test_adapter_loads_onto_the_base(root, steady, tmp_path, capsys):
     trainer, checkpoint = steady
     printed, err = export_cli(checkpoint, tmp_path / "adapter", "--adapter", capsys=capsys)
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(printed["files"]) and "note:" not in err
-    loaded = PeftModel.from_pretrained(load(root / "base"), str(tmp_path / "adapter"))
+    loaded = PeftModel.from_pretrained(load(root / BASE), str(tmp_path / "adapter"))
     torch.testing.assert_close(logits(loaded), logits(trainer.model), rtol=0, atol=1e-10)
 
 
@@ -109,8 +106,16 @@ def test_an_adapter_against_a_changed_base_is_one_line(root, steady):
     from dynmoe_dist.train.model_files import checked_base
 
     entry = read_checkpoint_meta(steady[1])[0]["states"]["model"]
-    checked_base(entry, str(root / "base"))  # the base the run was trained from
+    checked_base(entry, str(root / BASE))  # the base the run was trained from
     changed = {"base": {**entry["base"], "digest": "0" * 32}}
-    with pytest.raises(ValueError, match=r"model.path \(.*base'\) has content \w+; .* with content 0{32}") as err:
-        checked_base(changed, str(root / "base"))
+    with pytest.raises(ValueError, match=r"model.path \(.*qwen3_moe'\) has content \w+; .* with content 0{32}") as err:
+        checked_base(changed, str(root / BASE))
     assert "\n" not in str(err.value)
+
+
+def test_an_adapter_of_a_run_without_lora_is_one_line(root, tmp_path):
+    from dynmoe_dist.export import export
+
+    _, checkpoint = trained(root, "plain", "adaptive.enabled=false", "lora.enabled=false")
+    with pytest.raises(ValueError, match=r"^--adapter: CHECKPOINT \(.*\) is no LoRA run \(lora.enabled is false\)$"):
+        export(checkpoint, tmp_path / "x", progress=False, adapter=True)
