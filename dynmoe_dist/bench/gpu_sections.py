@@ -18,7 +18,7 @@ from typing import Dict, List
 
 import torch
 
-from dynmoe_dist.bench import gpu_layer, gpu_train
+from dynmoe_dist.bench import gpu_hf_moe, gpu_layer, gpu_train
 from dynmoe_dist.bench import hf as hf_bench
 from dynmoe_dist.bench.gpu_runner import Section, Skip
 
@@ -198,6 +198,12 @@ SECTIONS = (
         hf_bench.gpu_step_tokens_per_s,
         cap_s=60,
         what="upcycled SmolLM2-shaped LLaMA (4 blocks, 4 top-1 experts each), bf16 training step tokens/s",
+    ),
+    Section(
+        "imported_moe",
+        gpu_hf_moe.imported_moe,
+        cap_s=90,
+        what="imported Qwen3-MoE: first loss vs transformers', bf16 step ours/transformers, LoRA trains only adapters",
     ),
     Section(
         "import_set",

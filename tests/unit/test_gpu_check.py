@@ -122,6 +122,26 @@ def test_rehearsal_trains_checkpoints_and_resumes_on_cpu(tmp_path):
     assert run["adaptive_events"] >= 1 and run["checkpoints"] and run["resumed_final_step"] == 8
 
 
+def test_rehearsal_imports_a_moe_and_trains_it_with_and_without_lora_on_cpu(tmp_path):
+    record = _rehearse(tmp_path, "imported_moe")["imported_moe"]
+    assert record["status"] == "pass", record
+    result = record["result"]
+    assert result["first_loss_relative_difference"] <= 1e-4
+    assert result["lora"]["adapters_moved"] == result["lora"]["trainable"] > 0 and not result["lora"]["frozen_moved"]
+
+
+def test_the_imported_moe_section_fails_on_a_loss_mismatch_or_a_moved_base():
+    from dynmoe_dist.bench.gpu_hf_moe import summarize
+
+    side = {"first_loss": 2.0, "step_s": 1.0}
+    lora = {"trainable": 2, "frozen": 3, "frozen_moved": [], "adapters_moved": 2, "losses": [2.0, 1.9]}
+    assert summarize({"theirs": side, "ours": side, "lora": lora})["ours_over_transformers"] == 1.0
+    with pytest.raises(AssertionError, match="first loss"):
+        summarize({"theirs": side, "ours": {**side, "first_loss": 2.01}, "lora": lora})
+    with pytest.raises(AssertionError, match="LoRA moved frozen"):
+        summarize({"theirs": side, "ours": side, "lora": {**lora, "frozen_moved": ["model.embed_tokens.weight"]}})
+
+
 PLAIN_CHECKOUT = r"""
 import json, sys
 # Drop the editable install's finder: import dynmoe_dist from the checkout as PYTHONPATH=. would.
