@@ -17,15 +17,8 @@ import torch.nn as nn  # noqa: E402
 from hf_tiny import randomize, tiny_model  # noqa: E402
 
 from dynmoe_dist.config import load_config  # noqa: E402
+from dynmoe_dist.models import lora as lora_api  # noqa: E402
 from dynmoe_dist.models.hf.moe_import import import_moe  # noqa: E402
-from dynmoe_dist.models.lora import (  # noqa: E402
-    LoraConfig,
-    apply_lora,
-    expert_config,
-    held_experts,
-    init_adapters,
-    quantize_base,
-)
 from dynmoe_dist.moe import MoEConfig, MoELayer, nf4  # noqa: E402
 from dynmoe_dist.moe.adapters import is_adapter  # noqa: E402
 from dynmoe_dist.moe.aux_collector import collect_aux_losses  # noqa: E402
@@ -33,17 +26,18 @@ from dynmoe_dist.moe.aux_collector import collect_aux_losses  # noqa: E402
 pytest.importorskip("torchao")
 
 TARGETS = ("attention", "dense_mlp", "routed_experts")
+QLORA = lora_api.LoraConfig(enabled=True, rank=4, alpha=8.0, targets=TARGETS, base_dtype="nf4")
 
 
 def qlora_model(lora, **overrides):
     """The tiny Qwen3-MoE (float32) imported with LoRA on ``TARGETS`` and drawn; every B made non-zero so the
     adapters change the output."""
     ref = randomize(tiny_model("qwen3_moe", experts_implementation="eager", **overrides)).float()
-    model = import_moe(ref, expert_config(MoEConfig(router="native"), lora))
-    apply_lora(model, lora)
-    init_adapters(model, 0, held_experts(model))
+    model = import_moe(ref, lora_api.expert_config(MoEConfig(router="native"), lora))
+    lora_api.apply_lora(model, lora)
+    lora_api.init_adapters(model, 0, lora_api.held_experts(model))
     if lora.base_dtype == "nf4":
-        quantize_base(model)
+        lora_api.quantize_base(model)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -77,13 +71,12 @@ def loss_and_grads(model, ids):
 
 
 def test_the_forward_equals_the_dequantised_float_model():
-    lora = LoraConfig(enabled=True, rank=4, alpha=8.0, targets=TARGETS, base_dtype="nf4")
-    model = qlora_model(lora)
+    model = qlora_model(QLORA)
     stored = dict(nf4_params(model))
     assert any(".self_attn.q_proj.weight" in n for n in stored) and any(".mlp.gate_proj.weight" in n for n in stored)
     assert any(".experts.experts.5.w_gate" in n for n in stored)
     assert any(".experts.experts.0.w_out" in n for n in stored)
-    ref = float_reference(model, lora)
+    ref = float_reference(model, QLORA)
     assert not nf4_params(ref)
     ids = torch.randint(2, 64, (4, 16), generator=torch.Generator().manual_seed(2))  # every expert gets rows
     logits, loss, grads = loss_and_grads(model, ids)
@@ -102,9 +95,9 @@ def test_the_forward_equals_the_dequantised_float_model():
 def test_the_nf4_base_is_close_to_the_float_base():
     """The dequantised base is the float base up to NF4's rounding: within half the widest gap between NF4
     levels (about 0.15) of each block's absmax."""
-    lora = LoraConfig(enabled=True, rank=4, alpha=8.0, targets=TARGETS)
+    lora = replace(QLORA, base_dtype="run")
     plain = qlora_model(lora)
-    quantized = qlora_model(LoraConfig(enabled=True, rank=4, alpha=8.0, targets=TARGETS, base_dtype="nf4"))
+    quantized = qlora_model(QLORA)
     plain_params = dict(plain.named_parameters())
     for name, p in nf4_params(quantized):
         want_B64 = plain_params[name].detach().reshape(-1, nf4.BLOCK_SIZE)
@@ -116,7 +109,7 @@ def test_the_stored_base_is_about_4_bits_a_weight():
     """At a size where NF4's per-tensor constants are small (hidden 128, experts of 64, head_dim 32): the NF4
     weights' stored bytes (codes, int8 block scales, their float32 factors, mean and 16 levels) over their count."""
     overrides = dict(hidden_size=128, moe_intermediate_size=64, intermediate_size=128, head_dim=32)
-    model = qlora_model(LoraConfig(enabled=True, rank=4, alpha=8.0, targets=TARGETS, base_dtype="nf4"), **overrides)
+    model = qlora_model(QLORA, **overrides)
     stored = nf4_params(model)
     weights = sum(p.numel() for _, p in stored)
     bits = 8 * sum(nf4.stored_bytes(p) for _, p in stored) / weights
@@ -126,7 +119,7 @@ def test_the_stored_base_is_about_4_bits_a_weight():
 
 
 def test_an_nf4_bank_runs_the_per_expert_loop(monkeypatch):
-    model = qlora_model(LoraConfig(enabled=True, rank=4, alpha=8.0, targets=TARGETS, base_dtype="nf4"))
+    model = qlora_model(QLORA)
     bank = next(m for m in model.modules() if isinstance(m, MoELayer)).experts
     bank.config.expert_compute = "grouped_mm"
     called = []
@@ -139,7 +132,7 @@ def test_an_nf4_bank_runs_the_per_expert_loop(monkeypatch):
 def test_nf4_without_torchao_is_one_line(monkeypatch):
     monkeypatch.setattr(nf4, "backend_available", lambda: False)
     with pytest.raises(ValueError, match=r"lora.base_dtype \('nf4'\) needs torchao.*pip install torchao==") as err:
-        LoraConfig(base_dtype="nf4")
+        lora_api.LoraConfig(base_dtype="nf4")
     assert "\n" not in str(err.value)
 
 
