@@ -171,6 +171,9 @@ def _check_expert_adapters(layers: Sequence[MoELayer], lora: LoraConfig) -> None
                 "build them with models.lora.expert_config"
             )
         _check_rank(lora.rank, "a routed expert", (config.dim, config.ffn_dim))
+        # every expert built through experts.new_expert / with_config_adapters: a path that forgot would
+        # train nothing there and break migration (its parameters would not match expert_param_specs)
+        assert all(has_adapters(e) for e in layer.experts.experts), "MoE layer experts built without adapters"
 
 
 def add_dense_adapter(linear: nn.Linear, rank: int, alpha: float) -> None:

@@ -155,6 +155,12 @@ def new_expert(config: MoEConfig) -> Expert:
         expert = cls(
             config.dim, config.ffn_dim, bias=config.expert_bias, activation=config.activation, init_std=config.init_std
         )
+    return with_config_adapters(expert, config)
+
+
+def with_config_adapters(expert: Expert, config: MoEConfig) -> Expert:
+    """``expert`` with the LoRA adapters ``config.adapter_rank`` asks for (its weights then frozen); as it is
+    without."""
     if config.adapter_rank > 0:
         add_adapters(expert, config.adapter_rank, config.adapter_alpha, gated=config.expert_kind != "ffn")
     return expert

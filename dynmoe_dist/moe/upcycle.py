@@ -14,7 +14,7 @@ from typing import Any, Iterable, List, Optional, Tuple
 import torch.nn as nn
 
 from .config import MoEConfig
-from .experts import EXPERT_CLASSES, Expert, ExpertBank, FeedForward, GatedFeedForward
+from .experts import EXPERT_CLASSES, Expert, ExpertBank, FeedForward, GatedFeedForward, with_config_adapters
 from .layer import MoELayer
 
 
@@ -65,7 +65,8 @@ def upcycled_layer(dense: Expert, config: MoEConfig) -> MoELayer:
         activation=dense.activation,
         expert_bias=dense.b_in is not None,
     )
-    experts = ExpertBank(layer_config, [copy.deepcopy(dense) for _ in range(layer_config.num_experts)])
+    copies = [with_config_adapters(copy.deepcopy(dense), layer_config) for _ in range(layer_config.num_experts)]
+    experts = ExpertBank(layer_config, copies)
     # The router matches the dense block's device and dtype (a float64 model gets a float64 router). A
     # fresh module starts in training mode; upcycling a model in eval mode must not leave this one layer
     # training (k = 0 tokens would get output 0 instead of the top-1 fallback).

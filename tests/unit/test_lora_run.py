@@ -1,7 +1,7 @@
-"""A run with ``[lora]`` (lora.enabled): an imported Qwen3-MoE trained through the Trainer changes its adapters and
-nothing else (routers included, whose resizes keep them frozen), the optimizer holds state for the adapters only,
-a run stopped at a checkpoint resumes with the uninterrupted run's losses, and bad [lora] options fail at
-start-up in one line."""
+"""A run with ``[lora]`` (lora.enabled): an imported Qwen3-MoE (and an upcycled LLaMA) trained through the
+Trainer changes its adapters and nothing else (routers included, whose resizes keep them frozen), the optimizer
+holds state for the adapters only, a run stopped at a checkpoint resumes with the uninterrupted run's losses,
+and bad [lora] options fail at start-up in one line."""
 
 import os
 
@@ -9,7 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hf_tiny import moe_run_settings, save_moe_run_files, train_recorded  # noqa: E402
+from hf_tiny import hf_settings, moe_run_settings, save_moe_run_files, train_recorded, write_tiny_run  # noqa: E402
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.moe import MoEConfig  # noqa: E402
@@ -42,6 +42,25 @@ def test_a_lora_run_trains_the_adapters_only(root):
     changed = {name for name, p in model.named_parameters() if not torch.equal(before[name], p.detach())}
     assert changed == adapters
     assert {id(p) for p in run.parts.optimizer.state} == {id(p) for n, p in model.named_parameters() if n in adapters}
+
+
+def test_an_upcycled_model_trains_its_adapters_through_events(tmp_path):
+    """The tiny LLaMA upcycled in blocks 1 and 2 (top-any, events every 3 steps): the copies of its MLPs get their
+    adapters, events remove and add experts (a new one copied with its adapters), and only adapters train; the
+    routers change only by the events' resizes."""
+    from dynmoe_dist.train.loop import Trainer
+
+    settings = [s for s in hf_settings(*write_tiny_run(tmp_path), steps=6) if not s.startswith("model.freeze")]
+    run = Trainer(load_config(None, [*settings, *LORA, f"output.out_dir='{tmp_path / 'out'}'"]))
+    model = run.parts.model
+    before = {name: p.detach().clone() for name, p in model.named_parameters() if ".lora_" not in name}
+    _, _, _, events = train_recorded(run, 6)
+    assert events, "the run must remove or add experts"
+    for name, p in model.named_parameters():
+        assert p.requires_grad == (".lora_" in name), name
+        if name in before and ".router." not in name:
+            assert torch.equal(before[name], p.detach()), name
+    assert all(p.requires_grad for p in run.parts.optimizer.state)
 
 
 def losses_to_the_end(root, out, save_at=None, resume=""):
