@@ -49,17 +49,11 @@ def _median_step_s(step: Callable[[], float], device: str, steps: int) -> float:
 def _theirs(directory: str, tokens_BL: torch.Tensor, device: str, steps: int) -> Dict:
     from transformers import AutoModelForCausalLM
 
+    from dynmoe_dist.bench.hf_moe import transformers_side
+
     model = AutoModelForCausalLM.from_pretrained(directory, experts_implementation="eager")
     model = model.to(device).train()  # type: ignore[arg-type]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step() -> float:
-        loss = model(input_ids=tokens_BL, labels=tokens_BL).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
+    _, step = transformers_side(model, tokens_BL)
     with torch.no_grad():
         first_loss = float(model(input_ids=tokens_BL, labels=tokens_BL).loss)
     with torch.autocast(device, dtype=torch.bfloat16):
@@ -137,7 +131,7 @@ def imported_moe(context: dict) -> Dict:
 
     rehearsal = bool(context.get("rehearsal"))
     with tempfile.TemporaryDirectory(prefix="gpu-check-moe-") as work:
-        directory = Path(work) / "qwen3_moe"
+        directory = Path(work) / "checkpoint"
         write_checkpoint(directory, TINY if rehearsal else MODERATE, max_shard_bytes=2**30)
         env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
         backend = "gloo" if rehearsal else "nccl"

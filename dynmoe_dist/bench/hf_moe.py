@@ -39,7 +39,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -100,20 +100,14 @@ class Timed:
 
 
 # -- transformers' way ---------------------------------------------------------------------------------
-def transformers_side(spec: Dict) -> Dict:
-    """One process, 2 threads: from_pretrained, AdamW, the model's own loss."""
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(spec["threads"])
-    model = AutoModelForCausalLM.from_pretrained(spec["directory"]).train()
+def transformers_side(model: torch.nn.Module, tokens_BL: torch.Tensor) -> Tuple[torch.optim.Optimizer, Callable]:
+    """The baseline's own step (AdamW over every parameter, the model's own ``labels=`` loss), freeing its
+    gradients after it as ours does; the one training step outside train/ (tests/unit/test_layering.py)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    tokens = global_tokens(spec)
 
-    gradients = GradientsAtStep(optimizer, {"all": list(model.parameters())})
-
-    def step() -> float:  # the baseline's own step, freeing its gradients after it as ours does
+    def step() -> float:
         with record_function("phase: forward"):
-            loss = model(input_ids=tokens, labels=tokens).loss
+            loss = model(input_ids=tokens_BL, labels=tokens_BL).loss
         with record_function("phase: backward"):
             loss.backward()
         with record_function("phase: optimizer"):
@@ -121,6 +115,18 @@ def transformers_side(spec: Dict) -> Dict:
             optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
 
+    return optimizer, step
+
+
+def transformers_process(spec: Dict) -> Dict:
+    """One process, 2 threads: from_pretrained, AdamW, the model's own loss."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(spec["threads"])
+    model = AutoModelForCausalLM.from_pretrained(spec["directory"]).train()
+    tokens = global_tokens(spec)
+    optimizer, step = transformers_side(model, tokens)
+    gradients = GradientsAtStep(optimizer, {"all": list(model.parameters())})
     side = Timed(step, barrier=lambda: None)
     side.warm_up()
     for _ in range(spec["steps"]):
@@ -248,7 +254,7 @@ def run_sides(spec: Dict, timeout_s: float) -> Dict:
 
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     threads = {**env, "OMP_NUM_THREADS": str(spec["threads"])}
-    (theirs,) = run_simulated(transformers_side, 1, args=(spec,), timeout_s=timeout_s, env=threads)
+    (theirs,) = run_simulated(transformers_process, 1, args=(spec,), timeout_s=timeout_s, env=threads)
     ours = run_simulated(ours_side, 2, args=(spec,), timeout_s=timeout_s, env=env)
     cases = {"transformers": {**summarize_side([theirs]), "experts_implementation": theirs["experts_implementation"]}}
     cases |= {name: summarize_side([rank[name] for rank in ours]) for name in OURS}
