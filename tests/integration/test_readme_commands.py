@@ -126,6 +126,8 @@ RULES: List[Rule] = [
     (r"http://HEAD:|/shared/", SKIP, "it needs a Ray cluster (placeholder head address and shared storage)", as_is),
     (r"\bmy\.toml\b", SKIP, "my.toml stands for the reader's own run file", as_is),
     (r"^cat > \S+\.toml <<", FAST, None, tiny_model),
+    (r"^cat >> my_moe\.toml <<", SLOW, None, as_is),  # [lora] onto the MoE block's run file, made before it
+    (r"^python -c .*PeftModel\.from_pretrained", SLOW, None, as_is),
     (r"launcher/torchrun\.sh \d+ --config my_run\.toml", FAST, None, as_is),
     (r"launcher/torchrun\.sh \d+ ", SLOW, None, tiny_training),
     (r"launcher/ray_submit\.sh --local ", SLOW, None, tiny_training),

@@ -154,3 +154,10 @@ def test_each_family_makes_attention_block_diagonal_from_position_ids_or_is_refu
     else:
         assert apart
         check_packed_attention(str(tmp_path))
+
+
+def test_a_wrapper_model_type_packs_as_its_family_does():
+    """The hub's Qwen3.5-MoE directories say model_type 'qwen3_5_moe' (the vision-language model wrapping the
+    text family): its linear attention cannot be packed either; a dense model type can."""
+    assert not packs_by_position_ids("qwen3_5_moe") and not packs_by_position_ids("qwen3_5_moe_text")
+    assert packs_by_position_ids("llama") and packs_by_position_ids("qwen3_moe")

@@ -61,8 +61,8 @@ def is_family(model_type: str) -> bool:
 def packs_by_position_ids(model_type: str) -> bool:
     """Whether sequences packed into one row stay apart in ``model_type``'s attention when their position ids
     restart: a family says so; transformers' dense decoders all do (tests/unit/test_chat_packing.py)."""
-    family = FAMILIES.get(model_type)
-    return family is None or family.packs_by_position_ids
+    families = [cls for cls in FAMILIES.values() if model_type in (cls.model_type, *cls.wrapper_model_types)]
+    return all(cls.packs_by_position_ids for cls in families)
 
 
 def causal_lm_class(config: Any) -> Any:

@@ -14,6 +14,10 @@ class Qwen3_5Moe(MoEFamily):
     wrapped_prefix = ("model.", "model.language_model.")
     num_experts_key = "num_experts"
     block_kind = "shared_expert"
+    # its linear-attention layers (a causal convolution and the gated delta rule) run across the whole row:
+    # restarting position ids do not reset them, so packed sequences would see each other
+    # (tests/unit/test_chat_packing.py measures it)
+    packs_by_position_ids = False
 
     def rule(self) -> NativeRule:
         return NativeRule(top_k=self.config.num_experts_per_tok, **self.balance_loss())
