@@ -1,6 +1,7 @@
 """dynmoe_dist: distributed expert-parallel training of Dynamic Mixture-of-Experts models."""
 
 import importlib.abc
+import logging
 import importlib.machinery
 import importlib.util
 import sys
@@ -50,6 +51,29 @@ def _map_sibling_packages() -> None:
 
 
 _map_sibling_packages()
+
+
+class _DropMessages(logging.Filter):
+    """Drops log records whose message contains one of ``parts`` (third-party noise with nothing to act on)."""
+
+    def __init__(self, *parts: str):
+        super().__init__()
+        self.parts = parts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        return not any(part in message for part in self.parts)
+
+
+def _quiet_torchao_import() -> None:
+    """transformers imports torchao (the QLoRA backend, moe/nf4.py) wherever it is installed, and on a CPU build
+    of torch that import logs four lines in every process: its CUDA extensions failed to load, and torch's
+    deprecation of registering two of its Enums. Nothing there is for a user of this project to act on."""
+    logging.getLogger("torchao").addFilter(_DropMessages("Failed to load"))
+    logging.getLogger("torch.utils._pytree").addFilter(_DropMessages("is an Enum subclass and is now natively"))
+
+
+_quiet_torchao_import()
 
 from .moe import ExpertBank, FeedForward, MoEConfig, MoELayer, MoEOutput, Routing, upcycle  # noqa: E402
 
