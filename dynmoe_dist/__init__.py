@@ -1,9 +1,9 @@
 """dynmoe_dist: distributed expert-parallel training of Dynamic Mixture-of-Experts models."""
 
 import importlib.abc
-import logging
 import importlib.machinery
 import importlib.util
+import logging
 import sys
 from pathlib import Path
 
