@@ -15,6 +15,7 @@ tensor data DCP already reads with ``weights_only=True``. A checkpoint therefore
 from __future__ import annotations
 
 import contextlib
+import enum
 import pickle
 import warnings
 from pathlib import Path
@@ -58,8 +59,19 @@ _METADATA_CLASSES = {
 }
 
 
+def _metadata_enum_member(cls: Any, name: str) -> Any:
+    """What ``builtins.getattr`` may do while the metadata is read: Python before 3.11.5 (Debian 12's 3.11.2, say)
+    pickles an Enum member as ``getattr(its class, its name)``; only a member of an allowed Enum is given."""
+    allowed = isinstance(cls, type) and cls.__name__ in _METADATA_CLASSES.get(cls.__module__, ())
+    if allowed and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not a member of a checkpoint metadata enum")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _metadata_enum_member
         if name in _METADATA_CLASSES.get(module, ()) or (
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         ):

@@ -1,7 +1,9 @@
 """Checkpoint files: atomic commit, crash while writing, missing/corrupt files, architecture mismatch."""
 
+import io
 import pickle
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -280,3 +282,42 @@ def test_malicious_dcp_metadata_is_refused_before_anything_runs(tmp_path):
     metadata.write_bytes(pickle.dumps(real))
     with pytest.raises(CheckpointError, match=r"dense/\.metadata is corrupt or unsafe"):
         ckpt.read_checkpoint_dense(path)
+
+
+class _AsOldPython:
+    """Pickles like Python before 3.11.5 (Debian 12's 3.11.2) pickles an Enum member: getattr(class, name)."""
+
+    def __init__(self, cls, name):
+        self.cls, self.name = cls, name
+
+    def __reduce__(self):
+        return getattr, (self.cls, self.name)
+
+
+def test_metadata_pickled_by_an_older_python_reads_and_getattr_gives_only_enum_members(tmp_path, monkeypatch):
+    """DCP's metadata holds _MEM_FORMAT_ENCODING members; an older 3.11 pickles them through builtins.getattr,
+    which the safe reader must take for an allowed enum's member and nothing else."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, TensorProperties
+
+    from dynmoe_dist.train.dense_state import _MetadataUnpickler
+
+    def load(obj):
+        return _MetadataUnpickler(io.BytesIO(pickle.dumps(obj))).load()
+
+    member = next(iter(_MEM_FORMAT_ENCODING))
+    assert load(_AsOldPython(_MEM_FORMAT_ENCODING, member.name)) is member
+    for cls, name in ((TensorProperties, "__init__"), (_MEM_FORMAT_ENCODING, "__class__"), (Path, "home")):
+        with pytest.raises(pickle.UnpicklingError, match="not a member of a checkpoint metadata enum"):
+            load(_AsOldPython(cls, name))
+    t = _trainer(tmp_path)
+    t.train_step()
+    path = t.checkpoint_manager().save(t.step)
+    metadata = path / "dense" / ".metadata"
+    real = read_metadata(path / "dense")
+    with monkeypatch.context() as old_python:
+        old_python.setattr(
+            _MEM_FORMAT_ENCODING, "__reduce_ex__", lambda self, protocol: (getattr, (type(self), self.name))
+        )
+        metadata.write_bytes(pickle.dumps(real))
+    assert b"getattr" in metadata.read_bytes()
+    ckpt.read_checkpoint_dense(path)  # reads, as it does on that Python
