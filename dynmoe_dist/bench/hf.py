@@ -34,7 +34,7 @@ import torch.nn as nn
 from ..config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from ..moe import MoEConfig
 from ..moe.layer import find_moe_layers
-from ..parallel.groups import barrier
+from ..parallel.groups import barrier, current_rank
 from ..parallel.simulate import run_simulated
 from .measure import (
     GradientsAtStep,
@@ -132,7 +132,7 @@ def rank_case(spec: Dict) -> Dict:
     args = argparse.Namespace(**spec)  # the command line's options, rebuilt in the rank process
     blocks = list(range(args.num_layers)) if args.moe_blocks is None else args.moe_blocks
     dense = dense_llama(args.num_layers)
-    rank = torch.distributed.get_rank()
+    rank = current_rank()
     tokens = torch.randint(
         0,
         SMOLLM2["vocab_size"],

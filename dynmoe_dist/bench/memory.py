@@ -26,7 +26,7 @@ import torch
 from ..config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from ..models.build import build_model
 from ..moe import MoEConfig
-from ..parallel.groups import barrier
+from ..parallel.groups import barrier, current_world_size
 from ..parallel.simulate import run_simulated
 from ..tasks.base import ModelNeeds
 from ..train.parts import build_parts
@@ -62,7 +62,7 @@ def rank_case(spec: Dict) -> Dict:
     from ..parallel.reshard import dense_named_parameters
 
     torch.set_num_threads(1)
-    config = run_config(spec, torch.distributed.get_world_size())
+    config = run_config(spec, current_world_size())
     torch.manual_seed(0)
     parts = build_parts(
         config, build_model(config.model, config.moe, ModelNeeds("causal-lm", VOCAB, max_len=spec["seq_len"]))

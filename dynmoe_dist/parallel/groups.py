@@ -97,6 +97,11 @@ def current_world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else world_from_env()
 
 
+def current_rank() -> int:
+    """This process's rank in the initialised group (0 before any group exists)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def init_groups(parallel_config: Any) -> ParallelGroups:
     """Join (or start) the default process group and build the ep and expert-dp groups.
 

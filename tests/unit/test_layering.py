@@ -137,7 +137,26 @@ def test_torch_distributed_only_in_parallel():
             if here == "train" and name.startswith("torch.distributed.checkpoint"):
                 continue
             offenders.append(f"{path.relative_to(ROOT)}: {name}")
+        for use in distributed_uses(path.read_text()) if here != "parallel" else ():
+            if not (here == "train" and use == "torch.distributed.checkpoint"):
+                offenders.append(f"{path.relative_to(ROOT)}: {use}")
     assert not offenders, offenders
+
+
+def distributed_uses(source: str):
+    """``torch.distributed.<name>`` reached through a plain ``import torch`` (no import statement names it)."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+            inner = node.value
+            if inner.attr == "distributed" and isinstance(inner.value, ast.Name) and inner.value.id == "torch":
+                yield f"torch.distributed.{node.attr}"
+
+
+def test_a_use_of_torch_distributed_through_plain_torch_is_seen():
+    assert list(distributed_uses("import torch\nrank = torch.distributed.get_rank()\n")) == [
+        "torch.distributed.get_rank"
+    ]
+    assert list(distributed_uses("import torch\nx = torch.nn.Linear(2, 2)\n")) == []
 
 
 def test_ray_only_inside_cluster():
