@@ -7,6 +7,7 @@
     lm-eval    lm-evaluation-harness on an exported model: held-out perplexity and sentiment multiple choice
     pretrain-moe  pre-train a small Qwen3-MoE on the installed packages' docstrings; a stock checkpoint
     moe-finetune  finetune it on Rotten Tomatoes three ways (native, top-any, top-any + pruning): does it pay?
+    moe-frontier  held-out loss against expert FLOPs: native top-1/2/3, top-p, top-any at five budgets
 
 `python -m dynmoe_dist.experiments SUBCOMMAND --help` lists a subcommand's options.
 """
@@ -61,6 +62,12 @@ def _moe_finetune(argv):
     main(argv, prog=f"{PROG} moe-finetune")
 
 
+def _moe_frontier(argv):
+    from .moe_frontier import main
+
+    main(argv, prog=f"{PROG} moe-frontier")
+
+
 SUBCOMMANDS = {
     "compare": _compare,
     "losses": _losses,
@@ -69,6 +76,7 @@ SUBCOMMANDS = {
     "lm-eval": _lm_eval,
     "pretrain-moe": _pretrain_moe,
     "moe-finetune": _moe_finetune,
+    "moe-frontier": _moe_frontier,
 }
 
 

@@ -253,18 +253,26 @@ def needs_finish(result: FinetuneResult) -> bool:
 
 def train_run(plan: Plan, variant: str, seed: int, combine: str, step0_loss: float, reuse: bool) -> FinetuneResult:
     config = plan.variant_config(variant, seed, combine)
+    return train_config(plan, variant, config, seed, step0_loss, reuse, export=True)
+
+
+def train_config(
+    plan: Plan, name: str, config: RunConfig, seed: int, step0_loss: float, reuse: bool, export: bool
+) -> FinetuneResult:
+    """One finetune of ``config`` (reused when its folder holds this config finished), then, with ``export``,
+    its export and generation timing (retried when an earlier call's failed)."""
     folder = Path(config.output.out_dir)
     if reuse and finished(config):
-        log(f"{variant} seed {seed}: reusing the finished run in {folder}")
+        log(f"{name} seed {seed}: reusing the finished run in {folder}")
         result = FinetuneResult(**json.loads((folder / RESULT_FILE).read_text()))
     else:
         shutil.rmtree(folder, ignore_errors=True)  # metrics.jsonl is appended to: start clean
         folder.mkdir(parents=True)
         started = time.perf_counter()
         probe = add_totals(simulated(_finetune_on_rank, plan.sizes.world_size, (config,)))
-        result = summarise_finetune(variant, seed, read_metrics(folder / METRICS_FILE), eval_k(probe), step0_loss)
-        log(f"{variant} seed {seed}: held-out loss {result.test_loss:.4f} in {time.perf_counter() - started:.0f}s")
-    if needs_finish(result):
+        result = summarise_finetune(name, seed, read_metrics(folder / METRICS_FILE), eval_k(probe), step0_loss)
+        log(f"{name} seed {seed}: held-out loss {result.test_loss:.4f} in {time.perf_counter() - started:.0f}s")
+    if export and needs_finish(result):
         result = finish(plan, result, folder)
     (folder / RESULT_FILE).write_text(json.dumps(result.to_dict(), indent=1))
     (folder / CONFIG_FILE).write_text(config.to_toml())  # last: marks the run finished

@@ -214,14 +214,14 @@ def results_markdown(plan, outcome: Dict[str, Any], command: str, wall_s: float)
     )
 
 
-def _finite(value: Any) -> Any:
+def finite(value: Any) -> Any:
     """JSON has no NaN: None instead."""
     if isinstance(value, float) and math.isnan(value):
         return None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: finite(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_finite(v) for v in value]
+        return [finite(v) for v in value]
     return value
 
 
@@ -244,5 +244,5 @@ def write_outputs(plan, outcome: Dict[str, Any], command: str, wall_s: float) ->
         "paired": paired_rows(rows),
         "goal": goal_check(_row(rows, "native"), _row(rows, "top-any-pruned")),
     }
-    paths["json"].write_text(json.dumps(_finite(report), indent=1))
+    paths["json"].write_text(json.dumps(finite(report), indent=1))
     return paths

@@ -62,6 +62,9 @@ class FinetuneResult:
     added: List[int]
     steps: int
     wall_s: float
+    load_cv: List[float] = field(default_factory=list)
+    """Per MoE layer, the coefficient of variation of the experts' token counts (std / mean), averaged over
+    the training steps: 0 = perfectly balanced."""
     export: str = ""
     export_error: str = ""
     per_token_ms: float = math.nan
@@ -103,6 +106,7 @@ def summarise_finetune(
         added=[sum(len(e["added"]) for e in events if e["layer"] == i) for i in range(num_layers)],
         steps=int(finals[-1]["step"]),
         wall_s=float(finals[-1].get("wall_s", math.nan)),
+        load_cv=_layer_means([r["load_cv"] for r in steps if "load_cv" in r]),
     )
 
 
@@ -170,6 +174,8 @@ class VariantRow:
     """At the eval k, relative to native top-k."""
     per_token_ms: Spread
     base_per_token_ms: Spread
+    load_cv: Spread
+    """Mean over layers of the per-layer load coefficient of variation over training (FinetuneResult.load_cv)."""
     runs: List[FinetuneResult] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -206,6 +212,7 @@ def aggregate_variant(
         flops_ratio=Spread.of([flops_ratio(r.eval_k, native_k) for r in runs]),
         per_token_ms=Spread.of([r.per_token_ms for r in runs]),
         base_per_token_ms=Spread.of([r.base_per_token_ms for r in runs]),
+        load_cv=Spread.of([float(np.mean(r.load_cv)) if r.load_cv else math.nan for r in runs]),
         runs=list(runs),
     )
 

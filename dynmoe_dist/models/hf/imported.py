@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ...moe.adapters import is_adapter
 from ...moe.config import MoEConfig
-from ...moe.layer import TopAnyRouter, dense_state_tensors
+from ...moe.layer import SoftmaxRouter, TopAnyRouter, dense_state_tensors
 from ...moe.routing import NativeRule
 from .families import MoEFamily, family_of, new_causal_lm, sparse_block_prefixes
 from .moe_import import import_moe
@@ -87,6 +87,16 @@ class ImportedCheckpoint:
             for prefix in self.prefixes
             if isinstance(router := hf_model.get_submodule(f"{prefix}.moe.router"), TopAnyRouter)
         }
+        # So has a converted top-k router's choice bias (moe.balance = 'bias'): it starts at 0 and moves by
+        # the balance rule only.
+        self.new_tensors.update(
+            {
+                f"{prefix}.moe.router.choice_bias": 0.0
+                for prefix in self.prefixes
+                if isinstance(router := hf_model.get_submodule(f"{prefix}.moe.router"), SoftmaxRouter)
+                and router.choice_bias is not None
+            }
+        )
 
     def stored(self, name: str) -> str:
         """``name`` (a key or a block prefix of the model) as the files name it."""
