@@ -123,7 +123,8 @@ def run_plan(plan: Plan, chosen: Sequence[Variant], reuse: bool) -> Dict[str, An
         for variant in chosen:
             config = run_config(plan, variant, seed)
             runs[variant.name].append(train_config(plan, variant.name, config, seed, float("nan"), reuse, export=False))
-    dims = (plan.model_info["dim"], plan.model_info["ffn_dim"], plan.model_info["top_k"], 3)
+    info = plan.model_info
+    dims = (info["dim"], info["ffn_dim"], info["top_k"], info["matmuls"])
     rows = [aggregate_variant(v.name, v.label, runs[v.name], *dims) for v in chosen]
     return {"rows": rows, "families": {v.name: v.family for v in chosen}}
 
@@ -144,10 +145,13 @@ def parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
-def model_shape(path: Path) -> Dict[str, int]:
-    """D and F of the experts, from config.json (a Qwen3-MoE: gated experts, 3 matmuls)."""
-    config = json.loads((path / "config.json").read_text())
-    return {"dim": int(config["hidden_size"]), "ffn_dim": int(config["moe_intermediate_size"])}
+def model_shape(config: RunConfig) -> Dict[str, int]:
+    """D, F and matmuls per expert (gated: 3) of the model a run config imports, from its config.json."""
+    from ..models.source import decided_options
+
+    decided = decided_options(config.model.path, config.moe)
+    kind = decided["moe.expert_kind"]
+    return {"dim": decided["model.dim"], "ffn_dim": decided["model.ffn_dim"], "matmuls": 2 if kind == "ffn" else 3}
 
 
 def make_plan(args) -> Tuple[Plan, List[Variant]]:
@@ -156,8 +160,6 @@ def make_plan(args) -> Tuple[Plan, List[Variant]]:
     if args.world_size < 0:
         raise ValueError(f"--world-size ({args.world_size}) must be >= 1 (0 = the default, 2)")
     info = check_model(args.model)
-    if info["model_type"] != "qwen3_moe":
-        raise ValueError(f"--model ({args.model!r}) is a {info['model_type']!r}: expected pretrain-moe's qwen3_moe")
     every = variants()
     unknown = sorted(set(args.only) - {v.name for v in every})
     if unknown:
@@ -167,8 +169,8 @@ def make_plan(args) -> Tuple[Plan, List[Variant]]:
     chosen = [v for v in every if not args.only or v.name in args.only]
     sizes = TINY if args.tiny else FULL
     sizes = replace(sizes, world_size=args.world_size or sizes.world_size)
-    info = {**info, **model_shape(Path(args.model))}
     plan = Plan(Path(args.model), Path(args.out), list(range(args.seeds)), sizes, info)
+    plan = replace(plan, model_info={**info, **model_shape(run_config(plan, chosen[0], 0))})
     if any(v.native_k > info["num_experts"] for v in chosen):
         raise ValueError(f"--model ({args.model!r}) has {info['num_experts']} experts: too few for native top-3")
     for seed in plan.seeds:  # every config must load before the first run starts
