@@ -16,6 +16,7 @@ BENCHMARKS = {
     "data": "dynmoe_dist.bench.data",
     "import": "dynmoe_dist.bench.import_load",
     "hf-moe": "dynmoe_dist.bench.hf_moe",
+    "lora": "dynmoe_dist.bench.lora",
 }
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import shutil
 import statistics
 import tempfile
@@ -53,6 +54,7 @@ from .measure import (
     memory_supported,
     peak_rss_above_baseline_mb,
     state_mib,
+    trim_heap,
 )
 from .moe_checkpoint import Qwen3MoeShape, write_checkpoint
 from .step_profile import profile_steps
@@ -74,10 +76,12 @@ def global_tokens(spec: Dict) -> torch.Tensor:
 
 
 class Timed:
-    """One side's step on this process, with its wall and CPU times, first loss and one step's peak memory."""
+    """One side's step on this process, with its wall and CPU times, first loss and one step's peak memory
+    (with ``trim``, measured after a gc and a heap trim: pages the step touches count, not heap another
+    side's step freed; bench lora, whose sides differ in memory several times over)."""
 
-    def __init__(self, step: Callable[[], float], barrier: Callable[[], None]):
-        self.step, self.barrier = step, barrier
+    def __init__(self, step: Callable[[], float], barrier: Callable[[], None], trim: bool = False):
+        self.step, self.barrier, self.trim = step, barrier, trim
         self.wall: List[float] = []
         self.cpu: List[float] = []
         self.first_loss = 0.0
@@ -86,6 +90,9 @@ class Timed:
     def warm_up(self) -> None:
         self.first_loss = self.step()  # the checkpoint's weights: both sides must agree here
         if memory_supported():  # the second step: optimizer state exists, allocator warm
+            if self.trim:
+                gc.collect()
+                trim_heap()
             self.peak_mib = peak_rss_above_baseline_mb(self._step_once)
 
     def _step_once(self) -> None:
