@@ -19,7 +19,10 @@ expert count of what remains; plain transformers loads it without trust_remote_c
 Only runs with model.source = 'hf' export (the built-in models are not transformers models).
 A LoRA run (lora.enabled) is built with its adapters, filled, and written merged (each adapter folded into its
 weight) in the same format, or with ``--adapter`` as a PEFT adapter directory of the base at model.path where
-one can apply to it (models/lora_export.py; otherwise a one-line note and the merged model).
+one can apply to it (models/lora_export.py; otherwise a one-line note and the merged model). Its checkpoint
+holds only what trained (train/checkpoint_base.py): the model is built from the base at model.path, whose content
+hash must be the run's (one line naming both otherwise), as a fresh run builds it, and each expert's frozen
+weights are rebuilt from its recipe before the checkpoint's tensors go in.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Dict, Mapping, Union, cast
+from typing import Any, Dict, Mapping, Tuple, Union, cast
 
 import torch
 import torch.nn as nn
@@ -37,7 +40,7 @@ import torch.nn as nn
 from .data.tokenizers import load_tokenizer
 from .models.build import build_model
 from .models.hf.export_files import MAX_SHARD_SIZE, prepare_out_dir, shard_size_bytes
-from .models.lora import apply_lora, expert_config
+from .models.lora import apply_lora, expert_config, fill_whole, held_experts
 from .models.lora_export import export_lora
 from .models.source import ModelSource
 from .moe.experts import expert_key
@@ -50,6 +53,7 @@ from .train.checkpoint import (
     read_checkpoint_meta,
     saved_expert_counts,
 )
+from .train.checkpoint_base import FROZEN_BASE, recipe_from, with_frozen
 from .train.model_files import checked_base, checked_definition, tokenizer_path
 from .train.progress import WaitBar
 
@@ -65,30 +69,40 @@ def read_checkpoint(checkpoint: Path):
     return meta, run
 
 
-def fill_experts(model: nn.Module, experts: Mapping[str, Dict], meta: Dict, where: Path) -> None:
+def fill_experts(model: nn.Module, experts: Mapping[str, Dict], meta: Dict, where: Path, base=None) -> None:
     """Each MoE layer at the checkpoint's expert count, its experts in logical-id order (replicas were
-    saved once)."""
+    saved once). ``base`` (a checkpoint without the frozen base): the source's base experts, from which each
+    expert's frozen weights are rebuilt (train/checkpoint_base.py)."""
     counts = saved_expert_counts(meta)
     layers = find_moe_layers(model)
     if len(layers) != len(counts):
         raise ValueError(f"{where}: the checkpoint has {len(counts)} MoE layers, the run's model {len(layers)}")
+    recipes = meta["states"]["experts"].get("recipes")
     for index, ((_, layer), count) in enumerate(zip(layers, counts)):
         keys = [expert_key(index, e) for e in range(count)]
         missing = [key for key in keys if key not in experts]
         if missing:
             raise ValueError(f"{where}: expert {missing[0]} (layer/logical id) is in no experts_ep* file")
-        rebuild_experts(layer, count, [experts[key]["params"] for key in keys])
+        params = [experts[key]["params"] for key in keys]
+        if base is not None:
+            like = layer.router.weight
+            params = [
+                with_frozen(named, recipe_from(recipe), index, layer.config, like, base)
+                for named, recipe in zip(params, recipes[index])
+            ]
+        rebuild_experts(layer, count, params)
 
 
-def fill_dense(model: nn.Module, dense: Mapping[str, torch.Tensor], where: Path) -> None:
+def fill_dense(model: nn.Module, dense: Mapping[str, torch.Tensor], where: Path, whole: bool = True) -> None:
     """The dense state (every parameter that is not an expert's, the routers' buffers), by its name in the
-    trainer's model (the checkpoint's names)."""
+    trainer's model (the checkpoint's names); with ``whole`` false (a LoRA checkpoint: what trained) the rest
+    keeps the base's weights."""
     named = dict(dense_state_tensors(model))
     unplaced = sorted(set(dense) - set(named))
     if unplaced:
         raise ValueError(f"{where}: dense parameter {unplaced[0]!r} has no place in {type(model).__name__}")
     missing = sorted(set(named) - set(dense))
-    if missing:
+    if missing and whole:
         raise ValueError(f"{where}: the checkpoint has no dense parameter {missing[0]!r}")
     with torch.no_grad():
         for name, value in dense.items():
@@ -110,27 +124,45 @@ def export(
     if adapter and not run.lora.enabled:
         raise ValueError(f"--adapter: CHECKPOINT ({str(checkpoint)!r}) is no LoRA run (lora.enabled is false)")
     with WaitBar(f"exporting {checkpoint.name}", EXPORT_STAGES, "stage", enabled=progress) as bar:
-        saved = checked_definition(checkpoint, meta["states"].get("model"))
-        definition = str(saved) if saved else run.model.path
-        tokenizer_at = str(saved) if saved else tokenizer_path(run)
-        tokenizer = load_tokenizer(tokenizer_at, "task.tokenizer")
-        needs = ModelNeeds("causal-lm", len(tokenizer), max_len=run.task.max_len, tokenizer=tokenizer_at)
-        source = build_model(run.model, expert_config(run.moe, run.lora), needs, definition=definition)
-        if run.lora.enabled:
-            apply_lora(source.model, run.lora)  # the adapters' places, filled from the checkpoint below
-        source.check_exportable()  # a base without remote-code classes fails before any weight is read
+        source, tokenizer = built_source(checkpoint, meta, run)
         bar.advance()
         dense, experts = read_checkpoint_dense(checkpoint), read_checkpoint_experts(checkpoint)
         bar.advance()
-        source.allocate(torch.device("cpu"))
         # The checkpoint's dtype (float64 runs export float64; bf16 runs keep fp32 masters).
-        source.model.to(next(iter(dense.values())).dtype)
-        fill_experts(source.model, experts, meta, checkpoint)
-        fill_dense(source.model, dense, checkpoint)
+        dtype = next(iter(dense.values())).dtype
+        whole = FROZEN_BASE not in meta["states"]["experts"]
+        if whole:
+            source.allocate(torch.device("cpu"))
+            source.model.to(dtype)
+        else:  # the frozen base read from model.path as a fresh run reads it
+            source.place(torch.device("cpu"), dtype)
+            source.fill(held_experts(source.model), torch.device("cpu"), fill_whole)
+        fill_experts(source.model, experts, meta, checkpoint, None if whole else source.base_expert)
+        fill_dense(source.model, dense, checkpoint, whole)
         bar.advance()
         written = write(source, run, meta, out, tokenizer, max_shard_size, adapter)
         bar.advance()
     return written
+
+
+def built_source(checkpoint: Path, meta: Dict, run) -> Tuple[ModelSource, Any]:
+    """(the run's model source, with LoRA's adapters in place but no weights yet; the tokenizer). Built from the
+    checkpoint's ``model/`` definition, or, for a checkpoint without the frozen base, from the base at
+    model.path once its content hash is checked to be the run's."""
+    saved = checked_definition(checkpoint, meta["states"].get("model"))
+    tokenizer_at = str(saved) if saved else tokenizer_path(run)
+    tokenizer = load_tokenizer(tokenizer_at, "task.tokenizer")
+    needs = ModelNeeds("causal-lm", len(tokenizer), max_len=run.task.max_len, tokenizer=tokenizer_at)
+    moe = expert_config(run.moe, run.lora)
+    if FROZEN_BASE in meta["states"]["experts"]:
+        checked_base(meta["states"].get("model"), run.model.path)
+        source = build_model(run.model, moe, needs)
+    else:
+        source = build_model(run.model, moe, needs, definition=str(saved) if saved else run.model.path)
+    if run.lora.enabled:
+        apply_lora(source.model, run.lora)  # the adapters' places, filled from the checkpoint
+    source.check_exportable()  # a base without remote-code classes fails before any weight is read
+    return source, tokenizer
 
 
 def write(source: ModelSource, run, meta: Dict, out: Path, tokenizer, max_shard_size, adapter: bool) -> Path:

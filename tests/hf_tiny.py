@@ -375,3 +375,29 @@ def train_recorded(trainer, steps):
         counts.append(record["num_experts"])
         events += changes(new_events)  # removals and additions (moves depend on the ep size)
     return adaptive, losses, counts, events
+
+
+def train_saving(settings, out, steps, save_at=None, resume=""):
+    """A run of ``settings`` into ``out`` to ``steps`` steps, resumed from ``resume`` first (else calibrated as a
+    fresh start) and checkpointed after ``save_at`` steps: (the Trainer, step -> loss, the events' expert changes,
+    the checkpoint's directory or None)."""
+    from dynmoe_dist.config import load_config
+    from dynmoe_dist.coordination import CollectiveCoordinator
+    from dynmoe_dist.train.loop import Trainer
+    from dynmoe_dist.train.run import adaptive_controller, calibrate_at_start, step_once
+
+    trainer = Trainer(load_config(None, [*settings, f"output.out_dir='{out}'", f"output.resume='{resume}'"]))
+    adaptive = adaptive_controller(trainer, CollectiveCoordinator(trainer.groups))
+    checkpoints = trainer.checkpoint_manager(adaptive)
+    if resume:
+        checkpoints.resume(resume)
+    else:
+        calibrate_at_start(trainer)
+    losses, events, saved = {}, [], None
+    while trainer.step < steps:
+        record, new_events = step_once(trainer, adaptive, [])
+        losses[record["step"]] = record["loss"]
+        events += changes(new_events)
+        if trainer.step == save_at:
+            saved = checkpoints.save(trainer.step)
+    return trainer, losses, events, saved

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from ..moe.config import MoEConfig
-from .source import BuiltModel, ImportedMoE, ModelSource, UpcycledHF, moe_at
+from .source import BuiltModel, ImportedMoE, ModelSource, UpcycledHF, moe_at, upcycled_mlps
 from .transformer import CausalLM, EncoderClassifier, ModelShape, ViTClassifier
 
 MODEL_KINDS = ("token-classifier", "image-classifier", "minilm-classifier", "causal-lm")
@@ -175,7 +175,7 @@ def _hf_causal_lm(model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> Mode
     if gguf_file is None and moe_at(directory) is not None:
         return _imported_moe(directory, model, moe, needs)
     built = hf_causal_lm_from(load_resolved(directory, gguf_file, model.path), model, moe, needs)
-    return UpcycledHF(built, model.path, moe, tuple(model.moe_layers))
+    return UpcycledHF(built, model.path, moe, tuple(model.moe_layers), dense_mlps=upcycled_mlps(built))
 
 
 def _imported_moe(directory: Path, model: ModelSection, moe: MoEConfig, needs: TaskNeeds) -> ModelSource:

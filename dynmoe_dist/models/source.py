@@ -13,7 +13,9 @@ parallel code.
 
 A transformers source also describes itself for a self-contained training checkpoint: ``base_files`` (what
 its content hash covers: the files at model.path a resumed run reads again) and ``save_definition`` (the
-config files an export builds the model from, with no weights, when model.path is gone).
+config files an export builds the model from, with no weights, when model.path is gone). A LoRA run's
+checkpoint leaves its frozen base out (train/checkpoint_base.py): ``base_expert`` gives the frozen weights a
+fresh build gives a logical expert, which a resume or an export combines into each expert's own.
 
 Shape legend: none (whole modules and named tensors).
 """
@@ -33,6 +35,7 @@ from torch import Tensor
 
 from ..moe.adapters import is_adapter
 from ..moe.config import MoEConfig
+from ..moe.layer import find_moe_layers
 
 # (MoE layer index, logical ids of the experts this rank holds, their modules in slot order)
 HeldExperts = Tuple[int, Sequence[int], Iterable[nn.Module]]
@@ -40,6 +43,8 @@ HeldExperts = Tuple[int, Sequence[int], Iterable[nn.Module]]
 FillRows = Callable[[Tensor, Callable[[int, int], Tensor]], None]
 # The files that define a transformers model besides its weights (copied into a checkpoint's model/)
 DEFINITION_FILES = ("config.json", "generation_config.json")
+# parameter name -> tensor of one expert's frozen weights (no adapters), as the base has them
+BaseExpert = Dict[str, Tensor]
 # export_files.MAX_SHARD_SIZE's forms: bytes, or save_pretrained's text ('5GB')
 ShardSize = Union[int, str]
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".gguf")
@@ -72,6 +77,9 @@ class BuiltModel:
     def check_exportable(self) -> None:
         raise ValueError("a built-in model is no transformers model: only model.source = 'hf' runs export")
 
+    def base_expert(self, layer: int, expert: int) -> BaseExpert:
+        raise ValueError("a built-in model has no base at model.path to rebuild its experts from (lora needs 'hf')")
+
     def save(self, out: Path, tokenizer, step: int, base_model: str, max_shard_size: ShardSize) -> Path:
         self.check_exportable()
         return out
@@ -89,6 +97,8 @@ class UpcycledHF:
     blocks: Tuple[int, ...]
     on_meta: bool = False
     """Built from a definition without weights (export): ``allocate`` gives it storage."""
+    dense_mlps: Tuple[BaseExpert, ...] = ()
+    """Per MoE layer, the dense MLP its experts were copied from (``upcycled_mlps``), kept for ``base_expert``."""
 
     def place(self, device: torch.device, dtype: torch.dtype) -> None:
         self.model.to(device, dtype)
@@ -115,6 +125,10 @@ class UpcycledHF:
         from .hf.pretrained import base_model_type
 
         base_model_type(_hf(self.model))  # a base without remote-code classes fails before any weight is read
+
+    def base_expert(self, layer: int, expert: int) -> BaseExpert:
+        """Every expert of an upcycled layer starts as a copy of its dense MLP."""
+        return self.dense_mlps[layer]
 
     def save(self, out: Path, tokenizer, step: int, base_model: str, max_shard_size: ShardSize) -> Path:
         return _save_remote(self, out, tokenizer, step, base_model, max_shard_size)
@@ -182,6 +196,11 @@ class ImportedMoE:
     def save_definition(self, directory: Path) -> None:
         save_definition(self.path, directory)
 
+    def base_expert(self, layer: int, expert: int) -> BaseExpert:
+        """Logical expert ``expert`` of MoE layer ``layer`` as the files at model.path hold it."""
+        assert self.checkpoint is not None, "a model built for export reads no base"
+        return self.checkpoint.expert(layer, expert)
+
     def check_exportable(self) -> None:
         if self.moe.router != "native":
             from .hf.pretrained import base_model_type
@@ -201,6 +220,15 @@ class ImportedMoE:
 
 
 ModelSource = Union[BuiltModel, UpcycledHF, ImportedMoE]
+
+
+def upcycled_mlps(model: nn.Module) -> Tuple[BaseExpert, ...]:
+    """Per MoE layer of a freshly upcycled model, the frozen weights of its experts (each a copy of the dense MLP
+    it replaced: expert 0's, cloned, as the model's experts move and change from here on)."""
+    return tuple(
+        {name: p.detach().clone() for name, p in layer.experts.experts[0].named_parameters() if not is_adapter(name)}
+        for _, layer in find_moe_layers(model)
+    )
 
 
 def _hf(model: nn.Module) -> nn.Module:

@@ -11,22 +11,27 @@ meta.pt): the expert set and the dense state. Both follow train/checkpoint.py's 
                     hold. Checkpoints written before hold ``experts_ep{r}.pt`` (torch.save), still read
   dense/            dense parameters (routers included) and their Adam state, a torch.distributed.checkpoint
                     directory (train/dense_state.py): each rank writes its own FSDP shard, DCP reshards
+A LoRA run's parts hold only what trains (and the routers): its frozen base is rebuilt from model.path
+(train/checkpoint_base.py).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..moe.layer import dense_state_tensors
+from ..moe.experts import expert_key, expert_param_specs
+from ..moe.layer import MoELayer, dense_state_tensors
 from ..parallel.fsdp import full
 from ..parallel.groups import ParallelGroups
 from ..parallel.reshard import owner_files_needed
+from ..planning.placement import Placement
+from .checkpoint_base import FROZEN_BASE, BaseExperts, recipe_from, trained_dense_tensors, with_frozen
 from .dense_state import DENSE_DIR, CheckpointError, NamedParams, load_dense, save_dense
 from .experts import ExpertPayload, ExpertSet, saved_placements
 from .parts import TrainParts
@@ -107,29 +112,67 @@ def expert_file_owners(directory: Path) -> List[int]:
 
 class ExpertFiles:
     """The expert set as a checkpoint part: its layout (placements, discarded experts) in meta.pt, its
-    experts in the owners' files."""
+    experts in the owners' files. With ``base`` (a LoRA run: train/checkpoint_base.py) only what trains is
+    written, each expert's recipe beside the layout, and a resume rebuilds the frozen weights from ``base``."""
 
-    def __init__(self, experts: ExpertSet, groups: ParallelGroups):
+    def __init__(self, experts: ExpertSet, groups: ParallelGroups, base: Optional[BaseExperts] = None):
         self.experts = experts
         self.groups = groups
+        self.base = base
 
     def save_files(self, directory: Path) -> Dict[str, Any]:
         # Experts are written by their owners as logical tensors, streamed: only the ranks that write them
         # copy them to the host, one tensor at a time, and under expert FSDP every rank of the expert-dp
         # group takes part in gathering each (full_tensor is a collective).
+        trainable_only = self.base is not None
         writes = self.groups.dp_rank == 0
         if writes or self.experts.sharded:
             path = expert_file(directory, self.groups.ep_rank) if writes else None
-            write_streamed(path, flatten_experts(self.experts.owned_tensors()), _to_host)
-        return self.experts.layout()
+            write_streamed(path, flatten_experts(self.experts.owned_tensors(trainable_only)), _to_host)
+        return self.experts.layout(trainable_only)
 
     def load_files(self, directory: Path, entry: Dict[str, Any]) -> None:
         saved = saved_placements(entry)
-        needed = owner_files_needed(saved, self.experts.resume_placements(entry), self.groups.ep_rank)
+        placements = self.experts.resume_placements(entry)
+        needed = owner_files_needed(saved, placements, self.groups.ep_rank)
         payload: ExpertPayload = {}
         for owner in needed:
             payload.update(read_expert_file(directory, owner))
+        if self.base is not None and FROZEN_BASE not in entry:
+            raise CheckpointError(
+                f"checkpoint {directory} holds a LoRA run's frozen base in full and no expert recipes (written before "
+                "LoRA checkpoints named their base): resume it with the version that wrote it"
+            )
+        if FROZEN_BASE in entry:
+            assert self.base is not None, "a checkpoint without the frozen base resumes only with LoRA on"
+            entry = with_frozen_base(entry, payload, placements, self.experts.layers, self.groups.ep_rank, self.base)
         self.experts.load_state_dict({**entry, "experts": payload})
+
+
+def with_frozen_base(
+    entry: Dict[str, Any],
+    payload: ExpertPayload,
+    placements: Sequence[Placement],
+    layers: Sequence[MoELayer],
+    ep_rank: int,
+    base: BaseExperts,
+) -> Dict[str, Any]:
+    """A LoRA checkpoint's experts entry made whole: the experts this rank will hold (under ``placements``) and
+    every discarded expert get their frozen weights rebuilt from their recipes (``payload`` completed in place)."""
+    discarded = list(entry["discarded"])
+    for index, (layer, placement) in enumerate(zip(layers, placements)):
+        like = layer.router.weight
+        for expert in placement.experts_on(ep_rank):
+            # an expert none of whose parameters trains (LoRA without 'routed_experts') saved nothing
+            saved = payload.setdefault(expert_key(index, expert), {"params": {}, "state": {}})
+            recipe = recipe_from(entry["recipes"][index][expert])
+            saved["params"] = with_frozen(saved["params"], recipe, index, layer.config, like, base)
+        if discarded[index] is not None:
+            recipe = recipe_from(entry["discarded_recipes"][index])
+            names = [name for name, _ in expert_param_specs(layer.config)]
+            kept = {name: t for name, t in zip(names, discarded[index]) if t is not None}
+            discarded[index] = list(with_frozen(kept, recipe, index, layer.config, like, base).values())
+    return {**entry, "discarded": discarded}
 
 
 class DenseFiles:
@@ -150,12 +193,15 @@ class DenseFiles:
         load_dense(dense_directory(directory), self.params(), self.optimizer, self.groups)
 
 
-def weight_parts(parts: TrainParts) -> Dict[str, Any]:
+def weight_parts(parts: TrainParts, base: Optional[BaseExperts] = None) -> Dict[str, Any]:
     """The checkpoint parts that hold a run's weights and their optimizer state, by part name: the expert
-    set and the dense state (the trainer adds its small Stateful parts beside them)."""
+    set and the dense state (the trainer adds its small Stateful parts beside them). ``base``: a LoRA run's
+    base experts (models.source ``base_expert``); its checkpoints then hold only what trains
+    (train/checkpoint_base.py), every weight otherwise."""
+    dense = trained_dense_tensors if base is not None else dense_state_tensors
     return {
-        "experts": ExpertFiles(parts.experts, parts.groups),
-        "dense": DenseFiles(lambda: dense_state_tensors(parts.model), parts.optimizer, parts.groups),
+        "experts": ExpertFiles(parts.experts, parts.groups, base),
+        "dense": DenseFiles(lambda: dense(parts.model), parts.optimizer, parts.groups),
     }
 
 

@@ -12,6 +12,8 @@ For checkpoints: ``layout()`` (the placements and the discarded experts) and ``o
 experts this rank owns with their Adam state, by logical key ``moe.experts.expert_key``, not copied) are
 what it saves; ``load_state_dict()`` takes the placements and at least the experts this rank will hold,
 whatever the world size that wrote them. Which files hold them is train/checkpoint_parts.py's business.
+It also keeps every logical expert's recipe (train/checkpoint_base.py: what its frozen weights are, in terms of
+the base's experts), which a LoRA checkpoint saves instead of the frozen weights (``trainable_only``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ from ..parallel.reshard import local_expert_parameters, owned_expert_parameters,
 from ..parallel.shard import LayerShard
 from ..planning.placement import Placement
 from ..planning.planner import LayerPlan, Plan
+from .checkpoint_base import (
+    FROZEN_BASE,
+    Recipe,
+    base_recipes,
+    planned_recipes,
+    recipe_entry,
+    recipe_from,
+    trains_when_added,
+)
 from .optim import ExpertOptimizerState, refresh_param_groups
 
 ExpertPayload = Dict[str, Dict[str, Any]]
@@ -52,6 +63,8 @@ class ExpertSet:
         self._optimizer = optimizer
         self._groups = groups
         self._discarded: List[Optional[List[Tensor]]] = [None] * len(self._shards)
+        self._recipes: List[List[Recipe]] = [base_recipes(shard.placement.num_experts) for shard in self._shards]
+        self._discarded_recipes: List[Optional[Recipe]] = [None] * len(self._shards)
 
     # -- read-only views ---------------------------------------------------------------------------
     @property
@@ -89,6 +102,9 @@ class ExpertSet:
             self._shards[lp.layer], self._discarded[lp.layer] = apply_layer_plan(
                 lp, before, self._optimizer, self._groups, self._discarded[lp.layer]
             )
+            self._recipes[lp.layer], self._discarded_recipes[lp.layer] = planned_recipes(
+                lp, self._recipes[lp.layer], self._discarded_recipes[lp.layer]
+            )
             if lp.changes_experts() or lp.placement != before.placement:
                 changed.append(lp)
         self._commit()
@@ -108,23 +124,39 @@ class ExpertSet:
         refresh_param_groups(self._optimizer, self._model)
 
     # -- checkpointed state ------------------------------------------------------------------------
-    def layout(self) -> Dict[str, Any]:
-        """What every rank needs to know before reading any expert: placements and the discarded experts."""
-        return {
+    def layout(self, trainable_only: bool = False) -> Dict[str, Any]:
+        """What every rank needs to know before reading any expert: placements and the discarded experts.
+        ``trainable_only`` (LoRA): the discarded expert's frozen weights as None, and every expert's recipe."""
+        layout = {
             "placements": [json.dumps(p.to_lists()) for p in self.placements],
             "num_experts": [p.num_experts for p in self.placements],
-            "discarded": [None if d is None else [t.detach().cpu().clone() for t in d] for d in self._discarded],
+            "discarded": [self._saved_discarded(index, trainable_only) for index in range(len(self))],
         }
+        if trainable_only:
+            layout[FROZEN_BASE] = "model.path"
+            layout["recipes"] = [[recipe_entry(r) for r in recipes] for recipes in self._recipes]
+            layout["discarded_recipes"] = [None if r is None else recipe_entry(r) for r in self._discarded_recipes]
+        return layout
 
-    def owned_tensors(self) -> ExpertPayload:
+    def _saved_discarded(self, index: int, trainable_only: bool) -> Optional[List[Optional[Tensor]]]:
+        discarded = self._discarded[index]
+        if discarded is None:
+            return None
+        trains = trains_when_added(self._shards[index].layer.config)  # as a reused discarded expert would
+        return [t.detach().cpu().clone() if keep or not trainable_only else None for t, keep in zip(discarded, trains)]
+
+    def owned_tensors(self, trainable_only: bool = False) -> ExpertPayload:
         """The experts this rank owns (each logical expert is owned by exactly one rank of every ep group)
         with their Adam state, as the tensors the model and optimizer hold: no copies (a sharded expert's
         are its shards' DTensors, whole only once gathered). A checkpoint streams them to disk one at a time
-        (train/checkpoint_parts.py)."""
+        (train/checkpoint_parts.py); ``trainable_only`` (LoRA) leaves out the parameters that do not train."""
         states = self._optimizer_state().owned_state()
         owned = owned_expert_parameters(self._shards)
         return {
-            key: {"params": {n: p.detach() for n, p in params.items()}, "state": states.get(key, {})}
+            key: {
+                "params": {n: p.detach() for n, p in params.items() if p.requires_grad or not trainable_only},
+                "state": states.get(key, {}),
+            }
             for key, params in owned.items()
         }
 
@@ -137,6 +169,12 @@ class ExpertSet:
         self._discarded = [None if d is None else list(d) for d in state["discarded"]]
         if len(self._discarded) != len(self._shards):
             raise ValueError(f"saved discarded experts for {len(self._discarded)} layers, the model has {len(self)}")
+        if "recipes" in state:
+            self._recipes = [[recipe_from(r) for r in recipes] for recipes in state["recipes"]]
+            self._discarded_recipes = [None if r is None else recipe_from(r) for r in state["discarded_recipes"]]
+        else:  # a checkpoint that saved every weight: the recipes matter only to a LoRA run, which refuses it
+            self._recipes = [base_recipes(p.num_experts) for p in self.placements]
+            self._discarded_recipes = [None] * len(self)
 
     def resume_placements(self, state: Mapping[str, Any]) -> List[Placement]:
         return [resume_placement(p, self._groups.ep_size) for p in saved_placements(state)]

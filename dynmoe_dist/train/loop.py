@@ -101,7 +101,8 @@ class Trainer:
         parts = self.parts
         states: Dict[str, Part] = {
             "trainer": self,
-            **weight_parts(parts),
+            # a LoRA run's checkpoints hold what trains; the frozen base is rebuilt from model.path
+            **weight_parts(parts, self.source.base_expert if self.config.lora.enabled else None),
             "recorders": self.recorders,
             "model": ModelFiles(self.source, self.config, parts.groups),
         }

@@ -1,9 +1,11 @@
 """The checkpoint part that makes a checkpoint self-contained: ``model/`` and the base it names.
 
 Every weight of a run is in its checkpoint (experts by logical id, the dense state, frozen parameters
-included: ``model.freeze`` stops their training, not their saving). What else an export needs is written
-here, by rank 0, into ``step_N/model/``: the base's config files as model.path has them (a transformers
-source's ``save_definition``) and the run's tokenizer, with task.chat_template's template when set.
+included: ``model.freeze`` stops their training, not their saving), but for a LoRA run's frozen base, which
+its resume and export read from model.path, the hash below checked (train/checkpoint_base.py).
+What else an export needs is written here, by rank 0, into ``step_N/model/``: the base's config files as
+model.path has them (a transformers source's ``save_definition``) and the run's tokenizer, with
+task.chat_template's template when set.
 ``python -m dynmoe_dist.export`` builds the model from those files without weights and fills it from the
 checkpoint, so it needs nothing outside the checkpoint.
 

@@ -3,18 +3,19 @@ world: ep 1 / 2 / 3 with 8 experts, which 3 does not divide; an uneven global ba
 run's losses in float64 (1e-9): with the dense weights replicated and FSDP-sharded (frozen base, sharded
 adapters), and converted to top-any, whose adaptive events remove and add experts (their adapters going and
 coming with them) and re-place them across ranks. The adapters are drawn by name, so every world starts from
-the same ones. A run saved on 2 ranks after an event resumes on 3 with the uninterrupted run's losses.
+the same ones. A run saved on 2 ranks after an event resumes on 3 with the uninterrupted run's losses; its
+checkpoint holds only what trains (the frozen base is rebuilt from model.path, train/checkpoint_base.py).
 
 Each world's group is spawned once: one run_simulated call trains every case."""
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
-from hf_tiny import changes, moe_run_settings, save_moe_run_files  # noqa: E402
+from hf_tiny import moe_run_settings, save_moe_run_files, train_saving  # noqa: E402
 
-from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.parallel.simulate import run_simulated  # noqa: E402
 
 STEPS, SAVE_AT = 6, 4  # events after steps 3 and 6 (adaptive.period_steps = 3)
@@ -30,26 +31,10 @@ CASES = {
 def train_case(root, out, world, extra, save_at=None, resume=""):
     """step -> loss to STEPS, the expert changes of the events, the test loss, the checkpoint written after
     ``save_at`` steps (resumed from ``resume`` first)."""
-    from dynmoe_dist.coordination import CollectiveCoordinator
-    from dynmoe_dist.train.loop import Trainer
-    from dynmoe_dist.train.run import adaptive_controller, calibrate_at_start, step_once
-
     settings = moe_run_settings(root / "qwen3_moe", root / "corpus.txt", world, *LORA, *extra, steps=STEPS, batch=7)
-    trainer = Trainer(load_config(None, [*settings, f"output.out_dir='{out}'", f"output.resume='{resume}'"]))
-    adaptive = adaptive_controller(trainer, CollectiveCoordinator(trainer.groups))
-    checkpoints = trainer.checkpoint_manager(adaptive)
-    if resume:
-        checkpoints.resume(resume)
-    else:
-        calibrate_at_start(trainer)
-    losses, events, saved = {}, [], ""
-    while trainer.step < STEPS:
-        record, new_events = step_once(trainer, adaptive, [])
-        losses[record["step"]] = record["loss"]
-        events += changes(new_events)
-        if trainer.step == save_at:
-            saved = str(checkpoints.save(trainer.step))
-    return {"losses": losses, "events": events, "test_loss": trainer.evaluate()["test_loss"], "checkpoint": saved}
+    trainer, losses, events, saved = train_saving(settings, out, STEPS, save_at, resume)
+    test_loss = trainer.evaluate()["test_loss"]
+    return {"losses": losses, "events": events, "test_loss": test_loss, "checkpoint": str(saved or "")}
 
 
 def worker(root, world, saved):
@@ -94,9 +79,25 @@ def test_two_ranks_train_like_one(reference, two_ranks):
             assert results[name]["events"] == reference[name]["events"], name
 
 
+def assert_trainable_only(checkpoint):
+    """Every expert file holds adapters (and their Adam state) only; the experts' frozen weights are recipes."""
+    from dynmoe_dist.train.checkpoint import read_meta
+    from dynmoe_dist.train.checkpoint_parts import expert_file, expert_file_owners
+    from dynmoe_dist.train.tensor_file import read_tensors
+
+    owners = expert_file_owners(checkpoint)
+    assert owners == [0, 1], owners
+    for owner in owners:
+        assert all(name.split("/")[3].startswith("lora_") for name in read_tensors(expert_file(checkpoint, owner)))
+    assert read_meta(checkpoint)["states"]["experts"]["frozen_base"] == "model.path"
+
+
 def test_three_ranks_train_like_one_and_resume_the_two_rank_run(root, reference, two_ranks):
     saved = {name: two_ranks[0][name]["checkpoint"] for name in CASES}
     assert all(saved.values())
+    assert any(step <= SAVE_AT and removed for step, _, removed, *_ in reference["top-any"]["events"])
+    for checkpoint in saved.values():
+        assert_trainable_only(Path(checkpoint))
     for rank, results in enumerate(run_simulated(worker, 3, args=(root, 3, saved), timeout_s=900)):
         for name in CASES:
             assert_alike(results[name], reference[name], f"{name} world 3 rank {rank}")
