@@ -40,7 +40,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, Iterable, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +104,16 @@ class Timed:
         self.step()
         self.wall.append(time.perf_counter() - wall)
         self.cpu.append(time.process_time() - cpu)
+
+
+def alternate(sides: Iterable[Timed], steps: int) -> None:
+    """Every side warmed up, then ``steps`` rounds of one timed step each: load that drifts hits all alike."""
+    sides = list(sides)
+    for side in sides:
+        side.warm_up()
+    for _ in range(steps):
+        for side in sides:
+            side.timed()
 
 
 # -- transformers' way ---------------------------------------------------------------------------------
@@ -203,11 +213,7 @@ def ours_side(spec: Dict) -> Dict:
         parts_of[name], steps[name] = parts, ours_step(parts, mine, num_predictions)
         gradients[name] = GradientsAtStep(parts.optimizer, {"all": list(parts.model.parameters())})
         sides[name] = Timed(steps[name], barrier=functools.partial(barrier, parts.groups, "bench hf-moe step"))
-    for side in sides.values():
-        side.warm_up()
-    for _ in range(spec["steps"]):
-        for side in sides.values():
-            side.timed()
+    alternate(sides.values(), spec["steps"])
     return {
         name: {
             "wall": side.wall,
@@ -222,9 +228,9 @@ def ours_side(spec: Dict) -> Dict:
 
 
 # -- the comparison ----------------------------------------------------------------------------------------
-def summarize_side(per_rank: List[Dict]) -> Dict:
-    """Slowest rank per step (wall), summed over ranks (CPU), medians; memory: the largest rank's; the first
-    loss summed over ranks (each holds its share of the global mean)."""
+def step_times(per_rank: List[Dict]) -> Dict:
+    """Slowest rank per step (wall), summed over ranks (CPU), medians; the first loss summed over ranks (each
+    holds its share of the global mean)."""
     wall = [max(step) for step in zip(*(r["wall"] for r in per_rank))]
     cpu = [sum(step) for step in zip(*(r["cpu"] for r in per_rank))]
     return {
@@ -233,6 +239,13 @@ def summarize_side(per_rank: List[Dict]) -> Dict:
         "step_s_min": round(min(wall), 4),
         "cpu_s_median": round(statistics.median(cpu), 4),
         "first_loss": sum(r["first_loss"] for r in per_rank),
+    }
+
+
+def summarize_side(per_rank: List[Dict]) -> Dict:
+    """``step_times``; memory: the largest rank's."""
+    return {
+        **step_times(per_rank),
         "state_mib_per_rank": max(r["state_mib"] for r in per_rank),
         "step_peak_rss_mib_per_rank": max(r["step_peak_rss_mib"] for r in per_rank),
         "profile_rank0": per_rank[0]["profile"],

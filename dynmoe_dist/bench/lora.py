@@ -34,7 +34,7 @@ from typing import Dict
 
 import torch
 
-from .hf_moe import global_tokens
+from .hf_moe import alternate, global_tokens
 from .lora_cases import (
     CASES,
     LORA_TARGETS,
@@ -83,11 +83,7 @@ def cases_on_rank(spec: Dict) -> Dict[str, Dict]:
     tokens_BL = global_tokens(spec)
     built = {name: build_case(sets, tokens_BL, spec["vocab"]) for name, sets in spec["cases"].items()}
     sides = {name: timed_side(case) for name, case in built.items()}
-    for side in sides.values():
-        side.warm_up()
-    for _ in range(spec["steps"]):
-        for side in sides.values():
-            side.timed()
+    alternate(sides.values(), spec["steps"])
     return {
         name: side_report(sides[name], case.parts.model, case.parts.optimizer, case.gradients)
         for name, case in built.items()

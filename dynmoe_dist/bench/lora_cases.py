@@ -13,7 +13,6 @@ hide it); ``peak`` = held + step_peak_rss, the figure the ratios compare.
 from __future__ import annotations
 
 import functools
-import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
@@ -23,7 +22,7 @@ import torch.nn as nn
 from ..moe.adapters import is_adapter
 from ..moe.nf4 import stored_bytes
 from ..parallel.fsdp import local
-from .hf_moe import LR, WEIGHT_DECAY, Timed
+from .hf_moe import LR, WEIGHT_DECAY, Timed, step_times
 from .measure import GradientsAtStep, optimizer_state, tensors_mib
 
 if TYPE_CHECKING:
@@ -151,18 +150,11 @@ def timed_side(built: Built) -> Timed:
 
 
 def summarize(per_rank: List[Dict]) -> Dict:
-    """One side over its ranks: the slowest rank per step (median, min), CPU summed over ranks (median), the
-    largest rank's memory, every rank's counts, the first loss summed over ranks (each holds its share)."""
-    wall = [max(step) for step in zip(*(r["wall"] for r in per_rank))]
-    cpu = [sum(step) for step in zip(*(r["cpu"] for r in per_rank))]
+    """One side over its ranks: hf_moe.step_times, the largest rank's memory, every rank's counts."""
     memory = [k for k in per_rank[0] if k.endswith("_mib")]
     counts = ("parameters", "trainable_parameters", "trainable_tensors", "adapter_tensors", "optimizer_state_tensors")
     return {
-        "ranks": len(per_rank),
-        "step_s_median": round(statistics.median(wall), 4),
-        "step_s_min": round(min(wall), 4),
-        "cpu_s_median": round(statistics.median(cpu), 4),
-        "first_loss": sum(r["first_loss"] for r in per_rank),
+        **step_times(per_rank),
         **{f"{k}_per_rank": max(r[k] for r in per_rank) for k in memory},
         **{f"{k}_by_rank": [r[k] for r in per_rank] for k in counts},
     }

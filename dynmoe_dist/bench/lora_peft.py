@@ -16,7 +16,7 @@ from typing import Any, Dict, cast
 
 import torch
 
-from .hf_moe import Timed, global_tokens, transformers_side
+from .hf_moe import Timed, alternate, global_tokens, transformers_side
 from .lora_cases import CASES, build_case, ratio, run_overrides, side_report, summarize, timed_side
 from .measure import GradientsAtStep
 
@@ -47,11 +47,7 @@ def peft_process(spec: Dict) -> Dict:
     peft, optimizer, step, implementation = peft_side(spec["directory"], ours.parts.model, ours.lora, tokens_BL)
     gradients = GradientsAtStep(optimizer, {"all": list(peft.parameters())})
     sides = {"ours": timed_side(ours), "peft": Timed(step, barrier=lambda: None, trim=True)}
-    for side in sides.values():
-        side.warm_up()
-    for _ in range(spec["steps"]):
-        for side in sides.values():
-            side.timed()
+    alternate(sides.values(), spec["steps"])
     return {
         "ours": side_report(sides["ours"], ours.parts.model, ours.parts.optimizer, ours.gradients),
         "peft": {
