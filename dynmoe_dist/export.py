@@ -172,7 +172,7 @@ def write(source: ModelSource, run, meta: Dict, out: Path, tokenizer, max_shard_
     step, base = int(meta["step"]), run.model.path
     if not run.lora.enabled:
         return source.save(out, tokenizer, step, base, max_shard_size)
-    if adapter:
+    if adapter and FROZEN_BASE not in meta["states"]["experts"]:  # a LoRA checkpoint's base was checked when read
         checked_base(meta["states"].get("model"), base)
 
     def save_merged(_: nn.Module, where: Path) -> Path:  # the plain model's MoE options: no adapters left

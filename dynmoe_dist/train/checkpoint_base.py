@@ -123,7 +123,7 @@ def with_frozen(
     """An expert's saved parameters (what trains) with the frozen ones rebuilt from its recipe, by name in
     ``expert_param_specs`` order; a missing adapter is a CheckpointError naming it."""
     names = [name for name, _ in expert_param_specs(config)]
-    missing = [name for name in names if name not in params]
+    missing = frozen_names(params, config)
     if not missing:
         return {name: params[name] for name in names}
     lost = [name for name in missing if is_adapter(name)]
@@ -131,6 +131,11 @@ def with_frozen(
         raise CheckpointError(f"MoE layer {layer}: an expert's saved parameters lack {lost[0]!r}, which trains")
     frozen = frozen_weights(recipe, layer, config, like, base)
     return {name: params[name] if name in params else frozen[name] for name in names}
+
+
+def frozen_names(saved: Mapping[str, Tensor], config: MoEConfig) -> List[str]:
+    """The parameters of an expert a LoRA checkpoint did not save: the frozen ones."""
+    return [name for name, _ in expert_param_specs(config) if name not in saved]
 
 
 # -- what the checkpoint holds ---------------------------------------------------------------------------

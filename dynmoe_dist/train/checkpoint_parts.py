@@ -31,7 +31,14 @@ from ..parallel.fsdp import full
 from ..parallel.groups import ParallelGroups
 from ..parallel.reshard import owner_files_needed
 from ..planning.placement import Placement
-from .checkpoint_base import FROZEN_BASE, BaseExperts, recipe_from, trained_dense_tensors, with_frozen
+from .checkpoint_base import (
+    FROZEN_BASE,
+    BaseExperts,
+    frozen_names,
+    recipe_from,
+    trained_dense_tensors,
+    with_frozen,
+)
 from .dense_state import DENSE_DIR, CheckpointError, NamedParams, load_dense, save_dense
 from .experts import ExpertPayload, ExpertSet, saved_placements
 from .parts import TrainParts
@@ -166,6 +173,7 @@ def with_frozen_base(
             # an expert none of whose parameters trains (LoRA without 'routed_experts') saved nothing
             saved = payload.setdefault(expert_key(index, expert), {"params": {}, "state": {}})
             recipe = recipe_from(entry["recipes"][index][expert])
+            saved["frozen"] = frozen_names(saved["params"], layer.config)  # stay frozen; an added expert may train
             saved["params"] = with_frozen(saved["params"], recipe, index, layer.config, like, base)
         if discarded[index] is not None:
             recipe = recipe_from(entry["discarded_recipes"][index])

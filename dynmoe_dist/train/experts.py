@@ -45,7 +45,8 @@ from .checkpoint_base import (
 from .optim import ExpertOptimizerState, refresh_param_groups
 
 ExpertPayload = Dict[str, Dict[str, Any]]
-"""'layer/expert' -> {"params": {name: tensor}, "state": {name: Adam state}}."""
+"""'layer/expert' -> {"params": {name: tensor}, "state": {name: Adam state}} (and, for a LoRA checkpoint's, the
+names of the parameters that do not train, "frozen")."""
 
 
 class ExpertSet:
@@ -110,11 +111,20 @@ class ExpertSet:
         self._commit()
         return changed
 
-    def reshard_from(self, placements: Sequence[Placement], experts: Mapping[str, Mapping[str, Tensor]]) -> None:
+    def reshard_from(
+        self,
+        placements: Sequence[Placement],
+        experts: Mapping[str, Mapping[str, Tensor]],
+        frozen: Optional[Mapping[str, Sequence[str]]] = None,
+    ) -> None:
         """Rebuild every layer for ``placements`` from logical expert tensors ('layer/expert' -> {name:
-        tensor}; at least the experts this rank holds). Routers are resized to the new expert counts with
-        zero rows: their values, like every dense parameter's, come from the dense state loaded next."""
+        tensor}; at least the experts this rank holds), the parameters ``frozen`` names ('layer/expert' ->
+        names) without a gradient. Routers are resized to the new expert counts with zero rows: their values,
+        like every dense parameter's, come from the dense state loaded next."""
         self._shards = reshard(self._shards, placements, experts, self._groups)
+        for key, params in local_expert_parameters(self._shards).items():
+            for name in (frozen or {}).get(key, ()):
+                params[name].requires_grad_(False)
         self._commit()
 
     def _commit(self) -> None:
@@ -164,7 +174,10 @@ class ExpertSet:
         """Resume from a (possibly other world size's) saved state: the saved placements where they fit this
         ep size (rebalanced layouts and replicas survive), the default ones otherwise."""
         payload: ExpertPayload = state["experts"]
-        self.reshard_from(self.resume_placements(state), {key: e["params"] for key, e in payload.items()})
+        params = {key: e["params"] for key, e in payload.items()}
+        # a LoRA checkpoint says which of an expert's parameters were frozen (train/checkpoint_base.py)
+        frozen = {key: e["frozen"] for key, e in payload.items() if "frozen" in e}
+        self.reshard_from(self.resume_placements(state), params, frozen)
         self.load_optimizer_state({key: e["state"] for key, e in payload.items()})
         self._discarded = [None if d is None else list(d) for d in state["discarded"]]
         if len(self._discarded) != len(self._shards):

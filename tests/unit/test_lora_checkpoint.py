@@ -101,6 +101,20 @@ def test_a_resume_after_experts_were_removed_and_added_is_exact(root, lora_run):
     assert later == [e for e in events if e[0] > SAVE_AT]
 
 
+def test_a_run_without_expert_adapters_resumes_exactly(root):
+    """lora.targets without 'routed_experts': the base's experts are frozen whole and an expert an event adds trains
+    in full, so its weights are saved; after the resume each expert trains as it did."""
+    settings = imported(root, *LORA[:2], "lora.targets=['attention']")
+    trainer, whole, events, checkpoint = run(settings, root / "attention", save_at=SAVE_AT)
+    assert any(step <= SAVE_AT and added for step, _, _, added, _ in events), events
+    saved = {name.split("/")[3] for name in read_tensors(expert_file(checkpoint, 0))}
+    assert "w_in" in saved  # an added expert's, trained in full
+    resumed_trainer, resumed, _, _ = run(settings, root / "attention-resumed", resume=str(checkpoint))
+    assert all(resumed[step] == whole[step] for step in resumed), (resumed, whole)
+    trains = [[(n, p.requires_grad) for n, p in t.model.named_parameters()] for t in (trainer, resumed_trainer)]
+    assert trains[0] == trains[1]
+
+
 def test_an_upcycled_run_resumes_exactly(tmp_path):
     """The tiny LLaMA upcycled in blocks 1 and 2 (events after steps 2 and 5): its experts' frozen weights are the
     dense MLPs they copy, rebuilt from model.path."""
