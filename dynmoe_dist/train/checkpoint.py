@@ -10,6 +10,8 @@ the dense state, train/checkpoint_parts.py). Layout: ``OUT/checkpoints/step_0001
   experts_ep{r}.safetensors  the experts owned by ep rank r with their Adam state, by 'layer/logical id'
   model/           a transformers model's config files and tokenizer, what the export builds it from
                    (train/model_files.py; meta.pt names the base it was trained from by content hash)
+A LoRA run's dense/ and expert files hold only what trains (and the routers); its frozen base is read again from
+model.path, the hash checked, and each expert's from its recipe in meta.pt (train/checkpoint_base.py).
 Atomic: everything goes into ``step_000120.tmp/`` and rank 0 renames it when all ranks are done; the
 previous checkpoint stays until then. Retention (``output.keep_checkpoints``) deletes only complete
 checkpoints older than the newest few, and each by first renaming it to ``step_000100.old/``: a deletion

@@ -152,6 +152,28 @@ def test_a_float32_export_from_it_gives_the_runs_logits(root, tmp_path):
     torch.testing.assert_close(logits(merged), expected, rtol=0, atol=1e-6 * float(expected.abs().max()))
 
 
+@pytest.mark.parametrize("routing", ["native", "top-any"])
+def test_the_export_is_the_one_a_checkpoint_with_the_base_gave(root, tmp_path, routing):
+    """The same run's state saved as before this change (every weight: weight_parts without a base) and as a LoRA
+    checkpoint: the two merged exports are byte for byte the same (top-any: after an event added experts)."""
+    from dataclasses import replace
+
+    from dynmoe_dist.export import export
+    from dynmoe_dist.train.checkpoint import CheckpointManager
+    from dynmoe_dist.train.checkpoint_parts import weight_parts
+
+    extra = ("moe.router='native'", "adaptive.enabled=false") if routing == "native" else ()
+    trainer, _, events, checkpoint = run(imported(root, *LORA, *extra), tmp_path / "run", SAVE_AT, steps=SAVE_AT)
+    assert routing == "native" or any(added for *_, added, _ in events), events
+    config = replace(trainer.config, output=replace(trainer.config.output, out_dir=str(tmp_path / "whole")))
+    parts = {**trainer.checkpoint_manager().states, **weight_parts(trainer.parts)}
+    whole = CheckpointManager(config, trainer.groups, parts).save(trainer.step)
+    assert FROZEN_BASE not in read_meta(whole)["states"]["experts"]
+    written = [export(c, tmp_path / f"out{i}", progress=False) for i, c in enumerate((checkpoint, whole))]
+    files = [{p.name: p.read_bytes() for p in sorted(out.iterdir())} for out in written]
+    assert files[0].keys() == files[1].keys() and all(files[0][n] == files[1][n] for n in files[0]), sorted(files[0])
+
+
 def test_a_changed_base_is_refused_at_resume_and_at_export(root, tmp_path):
     from dynmoe_dist.export import export
 
