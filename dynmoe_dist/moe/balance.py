@@ -23,6 +23,13 @@ What each rule moves:
   the shift, the optimizer's common move of the layer's thresholds that step is taken back: the budget owns
   their level, the gradient their differences. k is the experts a token runs (its top-1 fallback
   included): the compute.
+- budget, an expert an adaptive event adds (``start_added_experts``): the event gives it threshold UNSET,
+  above every cosine, so it chooses nothing in its first step; that step counts its cosines in BIN-wide
+  bins, and after it the budget sets its threshold where it takes its share of the budget (target_k / E of
+  the tokens), and counts that share in the step's k, so the common shift makes room for it. The event's
+  usual threshold 0 would not do: an added gate vector is the mean of the unrouted hidden states, which lie
+  on one side of it, so nearly every token chose it (k from 1.0 to 2.0 in the quick start at target_k 1),
+  and the common shift that brought k back starved every other expert of the layer.
 - balance 'bias': per expert, rate * sign(mean load - load_e), re-centred to mean zero (torchtitan and
   Megatron re-centre the same way; counts summed over all ranks). A top-k router adds it to its
   ``choice_bias``, a native DeepSeek-V3 router to its ``e_score_correction_bias`` (the checkpoint's,
@@ -42,7 +49,7 @@ are outside FSDP (parallel/fsdp.py), so every rank holds the whole tensor and ap
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -59,6 +66,12 @@ MAX_SHIFT = 0.05
 """Largest common threshold shift of one step (cosines lie in [-1, 1])."""
 SLOPE_MEMORY = 0.7
 """Weight of the earlier steps in the slope the budget divides by (an exponential average)."""
+UNSET = 2.0
+"""Threshold of an expert an event added to a layer with a budget, until the budget sets it: above every
+cosine (cosines lie in [-1, 1]), so the expert chooses nothing."""
+BIN = 0.01
+"""Width of the cosine bins an unset expert's first step is counted in (its threshold's resolution)."""
+NUM_BINS = round(2 / BIN)
 
 
 def measured_slope(near_per_token: float) -> float:
@@ -84,6 +97,34 @@ def balance_moves(counts_E: Tensor, rate: float) -> Tensor:
     return moves_E - moves_E.mean()
 
 
+def start_added_experts(layer: MoELayer, num_kept: int) -> None:
+    """After an event resized the layer's router (kept experts first, then the added ones): with a budget, the
+    added experts start UNSET, for the budget to place after their first step (the module docstring)."""
+    if layer.config.target_k and isinstance(layer.router, TopAnyRouter):
+        with torch.no_grad():
+            layer.router.threshold[num_kept:] = UNSET
+
+
+def share_threshold(hist_B: Tensor, share: float) -> Tuple[float, float]:
+    """The lowest bin edge above which at most ``share`` of the counted cosines lie (hist_B: counts per
+    BIN-wide bin from -1 to 1), and the share that lies above it: the threshold at which an expert takes that
+    share of the tokens, and what it takes."""
+    tokens = float(hist_B.sum())
+    above_B = hist_B.flip(0).cumsum(0).flip(0)  # counts at or above each bin's lower edge
+    fits = (above_B <= share * tokens).nonzero()
+    if not len(fits):  # the top bin alone holds more than the share: above every cosine, it takes nothing
+        return 1.0, 0.0
+    first = int(fits[0])
+    return -1.0 + first * BIN, float(above_B[first]) / tokens if tokens else 0.0
+
+
+def cosine_bins(cos_TU: Tensor) -> Tensor:
+    """(U, NUM_BINS) counts of each column's cosines in BIN-wide bins from -1 to 1 (float64)."""
+    index_TU = ((cos_TU.double() + 1.0) / BIN).floor().long().clamp(0, NUM_BINS - 1)
+    hist_UB = torch.zeros(cos_TU.shape[1], NUM_BINS, dtype=torch.float64, device=cos_TU.device)
+    return hist_UB.scatter_add_(1, index_TU.t(), torch.ones_like(index_TU.t(), dtype=torch.float64))
+
+
 def choice_bias(router: torch.nn.Module) -> Optional[Tensor]:
     """The per-expert bias a router adds to its scores for choosing only: a top-k router's ``choice_bias``,
     a native router's correction bias (DeepSeek-V3); None for a router with neither."""
@@ -105,14 +146,18 @@ class LayerBalance:
         self.slope: Optional[float] = None
         """The budget's slope of k, averaged over the steps so far (None before the first): checkpointed."""
         self.started_E: Optional[Tensor] = None
+        self.unset: List[int] = []
+        """Experts whose threshold the budget sets after this step (UNSET: added by the event before it)."""
         self.start_step()
 
     def start_step(self) -> None:
         """Zero the step's counts, sized for the layer's experts now (events resize layers between steps), and
         with a budget note the thresholds the step starts from (see ``_move_thresholds``)."""
         router = self.layer.router
-        self.counts = torch.zeros(2 + self.layer.num_experts, dtype=torch.float64, device=router.weight.device)
         self.started_E = self._thresholds().detach().clone() if self.target_k else None
+        self.unset = (self.started_E == UNSET).nonzero().flatten().tolist() if self.started_E is not None else []
+        size = 2 + self.layer.num_experts + NUM_BINS * len(self.unset)
+        self.counts = torch.zeros(size, dtype=torch.float64, device=router.weight.device)
 
     def _thresholds(self) -> Tensor:
         router = self.layer.router
@@ -123,10 +168,15 @@ class LayerBalance:
         if not layer.training:
             return
         mask_TE = routing.mask.detach()
+        num_experts = mask_TE.shape[1]
         self.counts[0] += mask_TE.shape[0]
-        self.counts[2:] += mask_TE.sum(dim=0)
+        self.counts[2 : 2 + num_experts] += mask_TE.sum(dim=0)
         if self.target_k:
             self.counts[1] += self._near_pairs(routing)
+        if self.unset:
+            assert routing.probs is not None, "top-any routing carries its gate scores"
+            cos_TU = routing.probs.detach()[:, self.unset].logit()
+            self.counts[2 + num_experts :] += cosine_bins(cos_TU).flatten()
 
     def _near_pairs(self, routing: Routing) -> Tensor:
         """Token-expert pairs whose cosine lies within BAND of the expert's threshold (top-any's probs are
@@ -143,13 +193,16 @@ class LayerBalance:
     def update(self, summed: Sequence[float]) -> Dict[str, float]:
         """Move the layer's thresholds / choice bias from its counts summed over all ranks (plain floats,
         equal on every rank); returns what it did, for the step record."""
-        tokens, near, counts_E = summed[0], summed[1], torch.tensor(summed[2:], dtype=torch.float64)
+        num_experts = self.layer.num_experts
+        tokens, near, counts_E = summed[0], summed[1], torch.tensor(summed[2 : 2 + num_experts], dtype=torch.float64)
         if tokens <= 0:
             return {}
+        hist_UB = torch.tensor(summed[2 + num_experts :], dtype=torch.float64).reshape(len(self.unset), NUM_BINS)
         moves_E = balance_moves(counts_E, self.rate) if self.rate else counts_E.new_zeros(counts_E.shape)
         router = self.layer.router
         if isinstance(router, TopAnyRouter):
-            return self._move_thresholds(router.threshold, moves_E, float(counts_E.sum()) / tokens, near / tokens)
+            mean_k = float(counts_E.sum()) / tokens
+            return self._move_thresholds(router.threshold, moves_E, mean_k, near / tokens, hist_UB)
         bias = choice_bias(router)
         assert bias is not None, "MoEConfig and the routers refuse balance 'bias' without a choice bias"
         bias.add_(moves_E.to(bias))
@@ -164,20 +217,33 @@ class LayerBalance:
         self.slope = slope_now if self.slope is None else SLOPE_MEMORY * self.slope + (1 - SLOPE_MEMORY) * slope_now
         return before
 
-    def _move_thresholds(self, threshold_E: Tensor, moves_E: Tensor, mean_k: float, near: float) -> Dict[str, float]:
+    def _move_thresholds(
+        self, threshold_E: Tensor, moves_E: Tensor, mean_k: float, near: float, hist_UB: Tensor
+    ) -> Dict[str, float]:
         """With a budget, the optimizer's common move of the layer's thresholds this step is taken back first:
         the budget owns their level, the gradient shapes their differences. A gradient that pushes the level
         the same way every step (the task loss asking for more experts) is a ramp an integrating controller
         follows only a step behind, with an error of push / DAMPING (5 % of k in a small run); taken back at
         the source, it leaves the budget nothing but the slow drift of the gate vectors and the tokens."""
-        shift = 0.0
+        shift, placed_U = 0.0, None
         if self.target_k:
             assert self.started_E is not None, "start_step notes the thresholds when there is a budget"
             threshold_E.sub_((threshold_E - self.started_E).mean())
-            shift = budget_shift(mean_k, self.target_k, self._slope_before(measured_slope(near)))
+            placed_U, added_k = self._place_unset(hist_UB, threshold_E.numel())
+            shift = budget_shift(mean_k + added_k, self.target_k, self._slope_before(measured_slope(near)))
         # a balance move is a choice-bias move: a busy expert (negative move) gets a higher threshold
         threshold_E.add_((shift - moves_E).to(threshold_E))
+        if placed_U is not None and self.unset:
+            threshold_E[self.unset] = placed_U.to(threshold_E)
         return {"threshold_shift": shift} if self.target_k else {}
+
+    def _place_unset(self, hist_UB: Tensor, num_experts: int) -> Tuple[Tensor, float]:
+        """Thresholds for the unset experts, each taking its share of the budget (target_k / E of the tokens,
+        by this step's cosines), and the k they will add: the step's k counts it, so the common shift makes
+        room for them."""
+        placed = [share_threshold(hist_B, self.target_k / num_experts) for hist_B in hist_UB]
+        placed_U = torch.tensor([threshold for threshold, _ in placed], dtype=torch.float64)
+        return placed_U, sum(taken for _, taken in placed)
 
 
 class Balancers:

@@ -208,8 +208,8 @@ class MoEConfig:
     """Top-any compute budget: the mean experts per token (all tokens of all ranks) that a controller holds
     each layer at, by moving every threshold of the layer together after each step, out of the gradient
     (moe/balance.py). 0 = no budget (k follows the thresholds' training). A converted model's calibration
-    starts at it. It counts training tokens: at evaluation a token that chose none takes the top-1 fallback
-    unless eval_k0 = 'skip'."""
+    starts at it; an expert an adaptive event adds starts at its share of it. It counts training tokens: at
+    evaluation a token that chose none takes the top-1 fallback unless eval_k0 = 'skip'."""
     balance: str = "off"
     """Load balance without an aux loss: 'off', or 'bias' (DeepSeek-V3's rule: after each step every expert's
     choice bias moves by balance_rate against its load, re-centred so the biases' mean stays; a choice-only

@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ..moe.balance import start_added_experts
 from ..moe.config import MoEConfig
 from ..moe.experts import Expert, expert_param_shapes, expert_with, new_expert
 from ..moe.layer import MoELayer
@@ -235,6 +236,7 @@ def resize_router(layer: MoELayer, lp: LayerPlan, optimizer: Optimizer) -> None:
     states = {name: optimizer.state.pop(p, None) for name, p in old.items()}
     gates = torch.tensor([spec.gate for spec in lp.added], dtype=torch.float64).reshape(len(lp.added), layer.config.dim)
     layer.router.resize(list(lp.kept), gates)
+    start_added_experts(layer, len(lp.kept))  # with a budget, the budget places the added experts
     kept = torch.tensor(lp.kept, dtype=torch.long)
     for name, p in layer.router.named_parameters():
         state = states.get(name)

@@ -92,7 +92,9 @@ def two_ranks(tmp_path_factory):
 def test_the_controllers_move_the_routers(reference):
     top_any, top_k = reference["top_any"], reference["top_k"]
     assert all(max(t) - min(t) > 0.01 for t in top_any["routers"]) and all(max(b) > 0 for b in top_k["routers"])
-    assert abs(top_any["mean_k"][1][0] - 2.0) > 0.3 and abs(top_any["mean_k"][STEPS][0] - 2.0) < 0.3
+    # one step of 7 sequences varies its k by about 0.2: the later half's mean is what the budget holds
+    later = [top_any["mean_k"][step][0] for step in range(STEPS // 2 + 1, STEPS + 1)]
+    assert abs(top_any["mean_k"][1][0] - 2.0) > 0.3 and abs(sum(later) / len(later) - 2.0) < 0.2
 
 
 def test_two_ranks_move_the_routers_as_one(reference, two_ranks):

@@ -7,11 +7,14 @@ import torch
 
 from dynmoe_dist.moe.balance import (
     MAX_SHIFT,
+    UNSET,
     Balancers,
     LayerBalance,
     balance_moves,
     budget_shift,
+    cosine_bins,
     measured_slope,
+    share_threshold,
 )
 from dynmoe_dist.moe.config import MoEConfig
 from dynmoe_dist.moe.layer import MoELayer
@@ -101,24 +104,38 @@ def test_top_any_moves_every_threshold_by_the_budget_and_each_against_its_load()
     assert layer.router.threshold.tolist() == pytest.approx([0.02 + 0.01, 0.02 - 0.01])
 
 
+def test_an_unset_expert_is_placed_where_its_cosines_give_it_its_share():
+    # cosines -0.995, 0.005 (bin 100), 0.305, 0.315 (bins 130, 131), 0.995 and 1.0 (both in the top bin, 199)
+    hist_B = cosine_bins(torch.tensor([[-0.995], [0.005], [0.305], [0.315], [0.995], [1.0]]))[0]
+    assert hist_B.sum() == 6 and [int(hist_B[b]) for b in (0, 100, 130, 131, 199)] == [1, 1, 1, 1, 2]
+    # a third of 6 tokens: the two in the top bin, from the lowest edge with no more above it (0.32, bin 132's)
+    assert share_threshold(hist_B, 1 / 3) == (pytest.approx(0.32), pytest.approx(2 / 6))
+    # a half (3 tokens) cannot be met exactly: the lowest edge with at most 3 above is bin 131's, taking 3
+    assert share_threshold(hist_B, 0.5) == (pytest.approx(0.31), pytest.approx(3 / 6))
+    assert share_threshold(hist_B, 1.0) == (pytest.approx(-1.0), 1.0)  # every token
+    assert share_threshold(hist_B, 0.1) == (1.0, 0.0)  # the top bin alone is more than the share: none
+
+
+TINY_RUN = [
+    "task.num_samples=400",
+    "task.max_len=16",
+    "model.dim=32",
+    "model.num_heads=2",
+    "model.ffn_dim=32",
+    "model.num_layers=2",
+    "model.moe_layers=[0, 1]",
+    "moe.num_experts=8",
+    "train.precision='float64'",
+]
+"""Two MoE layers of 8 experts, float64 (a run's batch and steps are its own)."""
+
+
 def _run(*settings, steps=60, batch=16):
     """A tiny float64 top-any (or top-k) run of two MoE layers of 8 experts: the step records."""
     from dynmoe_dist.config import load_config
     from dynmoe_dist.train.loop import Trainer
 
-    base = [
-        "task.num_samples=400",
-        "task.max_len=16",
-        "model.dim=32",
-        "model.num_heads=2",
-        "model.ffn_dim=32",
-        "model.num_layers=2",
-        "model.moe_layers=[0, 1]",
-        "moe.num_experts=8",
-        f"train.global_batch_size={batch}",
-        f"train.max_steps={steps}",
-        "train.precision='float64'",
-    ]
+    base = [*TINY_RUN, f"train.global_batch_size={batch}", f"train.max_steps={steps}"]
     trainer = Trainer(load_config(None, base + list(settings)))
     return [trainer.train_step() for _ in range(steps)]
 
@@ -135,6 +152,32 @@ def test_the_budget_holds_the_mean_k_within_3_percent_over_every_window(target_k
         for layer in range(2):
             window = [r["mean_k"][layer] for r in records[start : start + 10]]  # equal tokens per step
             assert abs(sum(window) / len(window) - target_k) < 0.03 * target_k, (start, layer, window)
+
+
+def test_an_expert_an_event_adds_takes_its_share_of_the_budget_and_k_stays_on_target():
+    """Adaptive events with a budget (target_k 1, events after steps 20 and 50): an added expert chooses
+    nothing in its first step, is then placed by the budget (no longer UNSET) and takes tokens, and every
+    10-step window's mean k after warm-up stays within 3 % of the target. At threshold 0, as without a
+    budget, the added gate vector (the mean of the unrouted hidden states) took most tokens: k 1.7 the step
+    after the event, the window of steps 21-30 at 1.13, and the kept experts starved."""
+    from dynmoe_dist.config import load_config
+    from dynmoe_dist.coordination import CollectiveCoordinator
+    from dynmoe_dist.train.loop import Trainer
+    from dynmoe_dist.train.run import adaptive_controller, step_once
+
+    settings = ["moe.target_k=1.0", "adaptive.enabled=true", "adaptive.period_steps=30", "train.max_steps=60"]
+    trainer = Trainer(load_config(None, TINY_RUN + ["train.global_batch_size=32"] + settings))
+    adaptive = adaptive_controller(trainer, CollectiveCoordinator(trainer.groups))
+    records = [step_once(trainer, adaptive, [])[0] for _ in range(60)]
+    after = records[20]  # step 21, the first after the event
+    assert after["num_experts"] == [9, 9], "the event added one expert to each layer"
+    assert all(load[-1] == 0 for load in after["expert_load"]), "unset, an added expert chooses nothing"
+    assert all(max(r["expert_load"][layer][8] for r in records[21:30]) > 0 for layer in range(2))
+    assert all(t < UNSET - 0.5 for layer in trainer.moe_layers for t in layer.router.threshold.tolist()), "placed"
+    for start in range(10, 60, 10):
+        for layer in range(2):
+            window = [r["mean_k"][layer] for r in records[start : start + 10]]  # equal tokens per step
+            assert abs(sum(window) / len(window) - 1.0) < 0.03, (start, layer, window)
 
 
 def _mean_cv(records):
