@@ -32,7 +32,7 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Dict, Mapping, Tuple, Union, cast
+from typing import Any, Dict, Mapping, Optional, Tuple, Union, cast
 
 import torch
 import torch.nn as nn
@@ -115,14 +115,24 @@ EXPORT_STAGES = 4  # build the model, read the checkpoint, fill its weights, wri
 
 
 def export(
-    checkpoint, out, max_shard_size: Union[int, str] = MAX_SHARD_SIZE, progress: bool = True, adapter: bool = False
+    checkpoint,
+    out,
+    max_shard_size: Union[int, str] = MAX_SHARD_SIZE,
+    progress: bool = True,
+    adapter: bool = False,
+    base: Optional[str] = None,
 ) -> Path:
     """The export; ``progress`` shows a bar over its stages (reading and writing a large model takes minutes).
-    A LoRA run is written merged, or with ``adapter`` as a PEFT adapter of its base (models/lora_export.py)."""
+    A LoRA run is written merged, or with ``adapter`` as a PEFT adapter of its base (models/lora_export.py);
+    ``base``: where its frozen base is now, when no longer at the run's model.path (its content hash checked)."""
     checkpoint, out = checkpoint_or_last(Path(checkpoint)), Path(out)
     meta, run = read_checkpoint(checkpoint)
     if adapter and not run.lora.enabled:
         raise ValueError(f"--adapter: CHECKPOINT ({str(checkpoint)!r}) is no LoRA run (lora.enabled is false)")
+    if base is not None:
+        if FROZEN_BASE not in meta["states"]["experts"]:
+            raise ValueError(f"--base ({base!r}): CHECKPOINT ({str(checkpoint)!r}) holds every weight, reads no base")
+        run = replace(run, model=replace(run.model, path=base))
     with WaitBar(f"exporting {checkpoint.name}", EXPORT_STAGES, "stage", enabled=progress) as bar:
         source, tokenizer = built_source(checkpoint, meta, run)
         bar.advance()
@@ -215,11 +225,16 @@ def main(argv=None) -> None:
         "adapter_model.safetensors) instead of merged into the base's weights; only for native routing and "
         "experts unchanged (otherwise a note says why and the merged model is written)",
     )
+    parser.add_argument(
+        "--base",
+        help="a LoRA run's base model where it is now, if moved from the run's model.path (its checkpoint holds only "
+        "what trained; the base's content hash must be the one the run was trained from)",
+    )
     args = parser.parse_args(argv)
     try:
         shard_size_bytes(args.max_shard_size)
         prepare_out_dir(Path(args.out), Path(args.checkpoint), args.overwrite)
-        out = export(args.checkpoint, args.out, args.max_shard_size, adapter=args.adapter)
+        out = export(args.checkpoint, args.out, args.max_shard_size, adapter=args.adapter, base=args.base)
     except ValueError as err:
         parser.exit(2, f"error: {err}\n")
     print(json.dumps({"out": str(out), "files": sorted(p.name for p in out.iterdir())}))

@@ -8,6 +8,7 @@ uninterrupted run's losses (float64, exactly), so does an upcycled LLaMA's (its 
 they copy), a float32 run exported from it gives the run's logits (1e-6), and a base whose bytes changed is refused
 at resume and at export in one line naming both hashes and the path."""
 
+import json
 import os
 import re
 import shutil
@@ -172,6 +173,26 @@ def test_the_export_is_the_one_a_checkpoint_with_the_base_gave(root, tmp_path, r
     written = [export(c, tmp_path / f"out{i}", progress=False) for i, c in enumerate((checkpoint, whole))]
     files = [{p.name: p.read_bytes() for p in sorted(out.iterdir())} for out in written]
     assert files[0].keys() == files[1].keys() and all(files[0][n] == files[1][n] for n in files[0]), sorted(files[0])
+    with pytest.raises(ValueError, match=r"^--base \(.*\): CHECKPOINT \(.*\) holds every weight, reads no base$"):
+        export(whole, tmp_path / "out2", progress=False, base=str(root / BASE))
+
+
+def test_a_moved_base_exports_with_base(root, lora_run, tmp_path, capsys):
+    """``--base`` names where the base is now (its content hash checked): the same files as from model.path."""
+    from dynmoe_dist.export import export, main
+
+    checkpoint = lora_run[3]
+    shutil.copytree(root / BASE, tmp_path / "moved")
+    main([str(checkpoint), "--out", str(tmp_path / "a")])
+    main([str(checkpoint), "--out", str(tmp_path / "b"), "--base", str(tmp_path / "moved")])
+    capsys.readouterr()
+    files = [{p.name: p.read_bytes() for p in sorted((tmp_path / name).iterdir())} for name in "ab"]
+    configs = [json.loads(f.pop("config.json")) for f in files]
+    assert files[0] == files[1] and configs[1]["dynmoe"]["base_model"] == str(tmp_path / "moved")
+    configs[1]["dynmoe"]["base_model"] = configs[0]["dynmoe"]["base_model"]
+    assert configs[0] == configs[1]
+    with pytest.raises(ValueError, match=r"^model.path \('.*elsewhere'\) has content no files; .*$"):
+        export(checkpoint, tmp_path / "c", progress=False, base=str(tmp_path / "elsewhere"))
 
 
 def test_a_changed_base_is_refused_at_resume_and_at_export(root, tmp_path):
