@@ -58,7 +58,7 @@ def tiny(tmp_path_factory):
     roots = [pretrain_moe.default_roots()[0] / part for part in pretrain_moe.TINY.stdlib_parts]
     pretrain_moe.build_corpus(root / "corpus.jsonl", 30_000, roots)
     pretrain_moe.write_init(pretrain_moe.TINY, root / "corpus.jsonl", root / "model", seed=0)
-    only = ["native-k1", "native-k2", "top-p-0.5", "top-any-1.5", "top-k2-aux", "top-k2-bias"]
+    only = ["native-k1", "native-k2", "top-p-0.3", "top-any-1.5", "top-k2-aux", "top-k2-bias"]
     argv = ["--model", str(root / "model"), "--tiny", "--world-size", "1", "--seeds", "2", "--out", str(root / "out")]
     argv += ["--only", *only]
     moe_frontier.main(argv)
@@ -69,7 +69,7 @@ def test_tiny_frontier_runs_every_router_at_its_budget(tiny):
     root, _ = tiny
     report = json.loads((root / "out" / "frontier.json").read_text())
     by_name = {v["variant"]: v for v in report["variants"]}
-    assert set(by_name) == {"native-k1", "native-k2", "top-p-0.5", "top-any-1.5", "top-k2-aux", "top-k2-bias"}
+    assert set(by_name) == {"native-k1", "native-k2", "top-p-0.3", "top-any-1.5", "top-k2-aux", "top-k2-bias"}
     assert by_name["native-k1"]["eval_k"]["mean"] == pytest.approx(1.0)
     assert by_name["native-k1"]["flops_ratio"]["mean"] == pytest.approx(0.5)  # relative to the model's top-2
     assert by_name["native-k2"]["eval_k"]["mean"] == pytest.approx(2.0)
