@@ -95,6 +95,8 @@ def run_drift(run_dir: Path, blocks: Optional[Sequence[int]] = None, reference=N
     saves rebuilding it for runs of the same model."""
     checkpoint = last_complete_checkpoint(Path(run_dir))
     meta, run = read_checkpoint_meta(checkpoint)
+    if run.lora.enabled:  # its checkpoints hold the adapters, not the weights drift compares
+        raise ValueError(f"RUN_DIR ({str(run_dir)!r}) is a LoRA run (lora.enabled): its base's weights never move")
     moe_blocks = sorted(run.model.moe_layers)
     blocks = list(blocks) if blocks is not None else moe_blocks
     if not blocks:

@@ -83,6 +83,13 @@ def test_the_checkpoint_holds_no_frozen_base_tensor(root, lora_run):
     assert any(recipe != [[f"base/{e}", 1.0]] for layer in entry["recipes"] for e, recipe in enumerate(layer))
 
 
+def test_drift_refuses_a_lora_run_in_one_line(root, lora_run):
+    from dynmoe_dist.experiments.drift import run_drift
+
+    with pytest.raises(ValueError, match=r"^RUN_DIR \(.*\) is a LoRA run \(lora.enabled\): .* never move$"):
+        run_drift(root / "lora")
+
+
 def test_the_checkpoint_is_a_small_fraction_of_a_full_finetunes(root):
     """At a width where the adapters are what LoRA makes them, a small share of each weight (hidden 128, rank 2)."""
     save_moe_checkpoint(BASE, root / "wide", 8, hidden_size=128, intermediate_size=256, moe_intermediate_size=128)
