@@ -2,8 +2,8 @@
 against expert FLOPs per token for every router at several budgets, on a pre-trained MoE.
 
 The pre-trained checkpoint (`pretrain-moe`: a Qwen3-MoE trained top-2 of 16 experts) is finetuned on the Rotten
-Tomatoes snippets with `moe-finetune`'s steps, batch, lr, data order and held-out split, one run per (router,
-budget, seed):
+Tomatoes snippets with `moe-finetune`'s batch, lr, data order and held-out split for one epoch (FRONTIER), one
+run per (router, budget, seed):
   native-kK      the model's own rule (softmax, top-K, renormalised) at K = 1, 2, 3: the checkpoint with its
                  config.json's num_experts_per_tok set to K (its weights linked, not copied), as a user of
                  transformers would run it
@@ -45,6 +45,10 @@ TOP_ANY_COMBINE = "softmax"
 """The router's probabilities renormalised over the chosen experts: moe-finetune measured it the better rule
 for this model at step 0 (6.593 against 6.643 for DynMoE's 1/k)."""
 PRUNING_ONLY = ("adaptive.max_adds_per_event=0",)
+FRONTIER = replace(FULL, epochs=1, world_size=1)
+"""moe-finetune's sizes for one epoch (72 steps, one adaptive window: steps 24-48) in one process: 39 runs
+have to fit on 2 cores beside other work. One process trains what 2 or 3 ranks train (the world-size
+invariance tests); moe-finetune measures the 2-epoch, 2-rank runs."""
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,7 @@ def parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/moe_frontier", help="output directory (default runs/moe_frontier)")
     p.add_argument("--only", nargs="+", default=(), metavar="VARIANT", help="run these variants only (names above)")
     p.add_argument("--tiny", action="store_true", help="40 snippets, 16-token windows: seconds per run (tests)")
-    p.add_argument("--world-size", type=int, default=0, help="simulated ranks per run (default 2; 1 = in this process)")
+    p.add_argument("--world-size", type=int, default=0, help="simulated ranks per run (default 1: in this process)")
     p.add_argument("--no-reuse", dest="reuse", action="store_false", help="re-run finished runs too")
     return p
 
@@ -159,7 +163,7 @@ def make_plan(args) -> Tuple[Plan, List[Variant]]:
     if args.seeds < 1:
         raise ValueError(f"--seeds ({args.seeds}) must be >= 1")
     if args.world_size < 0:
-        raise ValueError(f"--world-size ({args.world_size}) must be >= 1 (0 = the default, 2)")
+        raise ValueError(f"--world-size ({args.world_size}) must be >= 1 (0 = the default, 1)")
     info = check_model(args.model)
     every = variants()
     unknown = sorted(set(args.only) - {v.name for v in every})
@@ -168,7 +172,7 @@ def make_plan(args) -> Tuple[Plan, List[Variant]]:
             f"--only ({', '.join(unknown)}) names no variant; choose from {', '.join(v.name for v in every)}"
         )
     chosen = [v for v in every if not args.only or v.name in args.only]
-    sizes = TINY if args.tiny else FULL
+    sizes = TINY if args.tiny else FRONTIER
     sizes = replace(sizes, world_size=args.world_size or sizes.world_size)
     plan = Plan(Path(args.model), Path(args.out), list(range(args.seeds)), sizes, info)
     plan = replace(plan, model_info={**info, **model_shape(run_config(plan, chosen[0], 0))})
