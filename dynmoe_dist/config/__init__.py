@@ -157,7 +157,7 @@ def _check_keys(section: str, values: Dict[str, Any]) -> None:
 
 # The model decides these for every MoE layer; accepting them here would silently do nothing. Key -> where
 # the value comes from, for the message.
-DERIVED_MOE_KEYS = ("dim", "ffn_dim", "swiglu_alpha", "swiglu_limit", "adapter_rank", "adapter_alpha")
+DERIVED_MOE_KEYS = ("dim", "ffn_dim", "swiglu_alpha", "swiglu_limit", "adapter_rank", "adapter_alpha", "base_dtype")
 _DERIVED_FROM = {
     "dim": "model.dim for built models, the pre-trained block for minilm-sentiment; set model.dim instead",
     "ffn_dim": "model.ffn_dim for built models, the pre-trained block for minilm-sentiment; set model.ffn_dim instead",
@@ -165,6 +165,7 @@ _DERIVED_FROM = {
     "swiglu_limit": "the gpt-oss checkpoint's config",
     "adapter_rank": "LoRA's rank with 'routed_experts' among its targets (models/lora.py)",
     "adapter_alpha": "LoRA's alpha with 'routed_experts' among its targets (models/lora.py)",
+    "base_dtype": "lora.base_dtype (models/lora.py)",
 }
 
 
@@ -334,7 +335,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     from ..tasks import task_spec, validate_run_config
 
     check_native_router(config.model, config.moe.router)
-    check_run_support(config.lora)
+    check_run_support(config.lora, config.parallel.expert_sharding)
     validate_run_config(config)
     spec = task_spec(config.task.name)
     check_model_config(config.model, spec.model_kind)

@@ -27,9 +27,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from ..moe import nf4
+from ..moe import frozen_base, nf4
 from ..moe.adapters import SIDES, drawn_a, has_adapters, is_adapter, lora_delta, scaling
-from ..moe.config import MoEConfig, _require
+from ..moe.config import BASE_DTYPES, MoEConfig, _require
 from ..moe.experts import expert_key
 from ..moe.layer import MoELayer
 from .source import FillRows, HeldExperts
@@ -42,7 +42,6 @@ TARGETS = {
     "shared_experts": "the always-on shared experts (DeepSeek-V3's shared_experts, Qwen2-MoE's shared_expert)",
 }
 ROUTER_MODES = ("frozen", "trainable")
-BASE_DTYPES = ("run", "nf4")
 _SHARED = (".shared_experts.", ".shared_expert.")
 
 
@@ -63,8 +62,12 @@ class LoraConfig:
     router: str = "frozen"
     """The routers: 'frozen' (PEFT's default: the routing of the base stays) or 'trainable' (trained in full)."""
     base_dtype: str = "run"
-    """The frozen base's dtype: 'run' (train.precision's) or 'nf4' (QLoRA: the adapted projections' and the routed
-    experts' weights stored 4-bit, moe/nf4.py; needs torchao). ('bfloat16' is not supported yet.)"""
+    """How the frozen base is stored (moe/frozen_base.py): 'run' (train.precision's dtype), 'bfloat16' (every frozen
+    weight of a linear layer or an embedding and the routed experts' weights, 2 bytes a weight) or 'nf4' (QLoRA: the
+    adapted projections' and the routed experts' weights 4-bit, moe/nf4.py, needs torchao; the other frozen linear
+    and embedding weights bf16). Computed in the run's dtype (each use widens or dequantises it), so adapters, a
+    trainable router and the optimizer keep that dtype; norms, routers and biases stay in it. Under FSDP an NF4
+    projection stays whole on every rank (its adapters sharded); NF4 experts cannot be FSDP-sharded."""
 
     def __post_init__(self) -> None:
         self.targets = tuple(self.targets)
@@ -83,9 +86,10 @@ class LoraConfig:
 def expert_config(moe: MoEConfig, lora: LoraConfig) -> MoEConfig:
     """``moe`` with the routed experts' adapters (none without LoRA or when 'routed_experts' is no target): build
     the model with it."""
+    base_dtype = lora.base_dtype if lora.enabled else "run"
     if not lora.enabled or "routed_experts" not in lora.targets:
-        return replace(moe, adapter_rank=0, adapter_alpha=0.0)
-    return replace(moe, adapter_rank=lora.rank, adapter_alpha=lora.alpha)
+        return replace(moe, adapter_rank=0, adapter_alpha=0.0, base_dtype=base_dtype)
+    return replace(moe, adapter_rank=lora.rank, adapter_alpha=lora.alpha, base_dtype=base_dtype)
 
 
 def dense_targets(model: nn.Module) -> Dict[str, List[Tuple[str, nn.Linear]]]:
@@ -126,6 +130,8 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> None:
     chosen = [(name, linear) for t in lora.targets if t in dense for name, linear in dense[t]]
     for name, linear in chosen:
         _check_rank(lora.rank, name, tuple(linear.weight.shape))
+    if lora.base_dtype == "nf4":
+        nf4.check_blocks(base_weights(chosen, layers))  # what quantize_base will store, checked while on meta
     for _, linear in chosen:
         add_dense_adapter(linear, lora.rank, lora.alpha)
     freeze_base(model, lora.router == "trainable")
@@ -136,17 +142,57 @@ def quantize_base(model: nn.Module) -> None:
     expert stored NF4 (moe/nf4.py), on a model ``apply_lora`` made and whose weights are final (a later
     ``model.to(dtype)`` would dequantise them). One-line ValueError, before any changes, for a weight NF4 cannot
     store."""
-    adapted = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and hasattr(m, "lora_a")]
-    nf4.quantize(base_weights(adapted, moe_layers(model)))
+    nf4.quantize(base_weights(adapted_linears(model), moe_layers(model)))
 
 
-def check_run_support(lora: LoraConfig) -> None:
-    """A training run cannot hold an NF4 base yet: its expert migration, FSDP and checkpoints copy plain tensors."""
-    if lora.enabled and lora.base_dtype == "nf4":
+def check_run_support(lora: LoraConfig, expert_sharding: str) -> None:
+    """An NF4 expert cannot be FSDP-sharded over its expert-dp group: torchao's NF4 shards only cut whole blocks
+    and scale blocks (and keep one scale mean), which an expert's rows split over its group need not."""
+    if lora.enabled and lora.base_dtype == "nf4" and expert_sharding == "fsdp":
         raise ValueError(
-            "lora.base_dtype ('nf4'): a training run cannot hold an NF4 base yet (expert migration, FSDP and "
-            "checkpoints are not wired for it); use 'run'"
+            "lora.base_dtype ('nf4') with parallel.expert_sharding ('fsdp'): NF4 experts are not FSDP-sharded; "
+            "use expert_sharding = 'none' or base_dtype = 'bfloat16'"
         )
+
+
+def lower_base(model: nn.Module, lora: LoraConfig, dtype: torch.dtype) -> None:
+    """A low-precision base: every frozen weight of an nn.Linear or nn.Embedding (tied ones stay tied) stored bf16
+    and computed in ``dtype`` (moe/frozen_base.py), and with 'bfloat16' every routed expert's frozen weights too.
+    NF4 leaves the adapted projections and the experts to ``quantize_base`` (it quantises filled weights). Called
+    once the model has its dtype and before FSDP shards it (on the meta device for a source filled later)."""
+    if not lora.enabled or lora.base_dtype == "run":
+        return
+    quantized_later = {id(p) for p in replicated_base(model, lora)}
+    lowered: Dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        if not isinstance(module, (nn.Linear, nn.Embedding)) or module.weight.requires_grad:
+            continue
+        weight = module.weight
+        if id(weight) in quantized_later:
+            continue
+        if id(weight) not in lowered:
+            lowered[id(weight)] = nn.Parameter(frozen_base.stored(weight, "bfloat16"), requires_grad=False)
+        module.weight = lowered[id(weight)]
+        if isinstance(module, nn.Linear):
+            frozen_base.upcast_forward(module)
+        else:
+            frozen_base.upcast_output(module, dtype)
+    if lora.base_dtype == "bfloat16":
+        for layer in moe_layers(model):
+            for expert in layer.experts.experts:
+                frozen_base.store_expert(expert, "bfloat16")
+
+
+def replicated_base(model: nn.Module, lora: LoraConfig) -> List[nn.Parameter]:
+    """The frozen weights FSDP must leave whole on every rank: an NF4 weight is quantised once filled, from the
+    whole tensor (its scale mean is the tensor's), so it is never cut into FSDP shards; its adapters are."""
+    if not lora.enabled or lora.base_dtype != "nf4":
+        return []
+    return [cast(nn.Parameter, linear.weight) for _, linear in adapted_linears(model)]
+
+
+def adapted_linears(model: nn.Module) -> List[Tuple[str, nn.Linear]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and hasattr(m, "lora_a")]
 
 
 def base_weights(linears: Sequence[Tuple[str, nn.Linear]], layers: Sequence[MoELayer]) -> List[nf4.Weight]:

@@ -10,6 +10,8 @@ import types
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple, Union, get_args, get_origin
 
+# How LoRA's frozen base is stored (moe/frozen_base.py): the run's dtype, bfloat16, or NF4 (QLoRA).
+BASE_DTYPES = ("run", "bfloat16", "nf4")
 ROUTERS = ("top_any", "top_k", "top_p", "native")
 AUX_LOSSES = ("diverse", "simple", "load_balance", "efficiency", "switch", "entropy")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
@@ -204,6 +206,9 @@ class MoEConfig:
     expert's own weights frozen); 0 = no adapters. Set from the [lora] section (models/lora.py), not here."""
     adapter_alpha: float = 0.0
     """LoRA: the adapters' alpha (their output is scaled by alpha / rank). Set from the [lora] section."""
+    base_dtype: str = "run"
+    """LoRA: how every expert's frozen weights are stored: 'run' (the run's dtype), 'bfloat16' or 'nf4'
+    (moe/frozen_base.py); new, moved and rebuilt experts are stored so too. Set from the [lora] section."""
     target_k: float = 0.0
     """Top-any compute budget: the mean experts per token (all tokens of all ranks) that a controller holds
     each layer at, by moving every threshold of the layer together after each step, out of the gradient
@@ -279,6 +284,7 @@ class MoEConfig:
             self.adapter_rank == 0 or self.adapter_alpha > 0,
             f"adapter_alpha ({self.adapter_alpha}) must be > 0 with adapter_rank {self.adapter_rank}",
         )
+        _require(self.base_dtype in BASE_DTYPES, f"base_dtype ({self.base_dtype!r}) must be one of {BASE_DTYPES}")
         _require(self.combine in COMBINE_MODES, f"combine ({self.combine!r}) must be one of {COMBINE_MODES}")
         _require(
             self.expert_compute in EXPERT_COMPUTE,

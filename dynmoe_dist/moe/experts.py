@@ -20,7 +20,7 @@ parameters (moe/adapters.py), so those paths carry them too.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Type, Union
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Type, Union, cast
 
 import torch
 import torch.nn as nn
@@ -30,6 +30,7 @@ from torch import Tensor
 from ..kernels.grouped_gemm import grouped_mm
 from .adapters import add_adapters, grouped_side_deltas, plus, side_deltas
 from .config import MoEConfig
+from .frozen_base import run_dtype, storage_tensors, store_expert
 from .nf4 import holds_nf4
 
 # 'gelu_tanh' is GPT-2's gelu_new / HF's gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
@@ -193,17 +194,42 @@ def expert_trainable_shapes(config: MoEConfig) -> List[torch.Size]:
 
 
 def expert_with(params: Sequence[Tensor], config: MoEConfig) -> Expert:
-    """An expert holding copies of ``params`` (in ``parameters()`` order), on their device and dtype."""
-    module = new_expert(config).to(device=params[0].device, dtype=params[0].dtype)
+    """An expert holding copies of ``params`` (in ``parameters()`` order) on their device, all in their run dtype
+    (a stored weight widened, an NF4 one dequantised: moe/frozen_base.py)."""
+    module = new_expert(config).to(device=params[0].device, dtype=run_dtype(params))
     with torch.no_grad():
         for p, value in zip(module.parameters(), params):
-            p.copy_(value)
+            p.copy_(value.to(p.dtype))
+    return module
+
+
+def stored_expert_with(params: Sequence[Tensor], config: MoEConfig) -> Expert:
+    """``expert_with``, its frozen weights then stored as ``config.base_dtype`` says: an expert of a built run
+    (re-placed, added, gathered, resumed)."""
+    return cast(Expert, store_expert(expert_with(params, config), config.base_dtype))
+
+
+def stored_new_expert(config: MoEConfig, like: Tensor) -> Expert:
+    """A fresh expert on ``like``'s device and dtype, its frozen weights stored as ``config.base_dtype`` says."""
+    return cast(Expert, store_expert(new_expert(config).to(device=like.device, dtype=like.dtype), config.base_dtype))
+
+
+def copy_expert(expert: nn.Module, config: MoEConfig) -> Expert:
+    """A copy of ``expert``, bit for bit, a stored weight held as it is (no deepcopy: torchao re-quantises an NF4
+    weight's deepcopy with other scale blocks)."""
+    params = list(expert.parameters())
+    module = stored_new_expert(config, torch.empty((), dtype=run_dtype(params), device=params[0].device))
+    with torch.no_grad():
+        for new, old in zip(module.parameters(), params):
+            for into, value in zip(storage_tensors(new), storage_tensors(old)):
+                into.copy_(value)
     return module
 
 
 def expert_from_named(named: Mapping[str, Tensor], config: MoEConfig, like: Tensor) -> Expert:
-    """An expert from its parameters by name (a checkpoint's or an export's), on ``like``'s device and dtype."""
-    return expert_with(
+    """An expert from its parameters by name (a checkpoint's or an export's), on ``like``'s device and dtype, its
+    frozen weights stored as ``config.base_dtype`` says."""
+    return stored_expert_with(
         [named[n].to(device=like.device, dtype=like.dtype) for n, _ in expert_param_specs(config)], config
     )
 

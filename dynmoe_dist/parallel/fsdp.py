@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.optim import Optimizer
 
-from ..moe.experts import expert_with
+from ..moe.experts import stored_expert_with
 from .blocks import find_blocks
 from .groups import ParallelGroups, named
 from .shard import LayerShard
@@ -91,13 +91,16 @@ def _no_divide(module: nn.Module) -> None:
         module.set_force_sum_reduction_for_comms(True)
 
 
-def shard_dense(model: nn.Module, shards: Sequence[LayerShard], sharding: Sharding) -> None:
-    """fully_shard every block, then the root, over the world; experts and routers are left out."""
+def shard_dense(
+    model: nn.Module, shards: Sequence[LayerShard], sharding: Sharding, replicated: Sequence[nn.Parameter] = ()
+) -> None:
+    """fully_shard every block, then the root, over the world; experts, routers and ``replicated`` (frozen
+    weights each rank holds whole: an NF4 base, models.lora.replicated_base) are left out."""
     if not sharding.dense:
         return
     ignored = {
         p for shard in shards for module in (shard.layer.experts, shard.layer.router) for p in module.parameters()
-    }
+    } | set(replicated)
     for block in find_blocks(model):
         fully_shard(
             block,
@@ -153,7 +156,7 @@ def unshard_experts(shards: Sequence[LayerShard], sharding: Sharding, optimizer:
         plain_modules = []
         for module in shard.layer.experts.experts:
             params = list(module.parameters())
-            plain = expert_with([full(p.detach()) for p in params], shard.layer.config)
+            plain = stored_expert_with([full(p.detach()) for p in params], shard.layer.config)
             for old, new in zip(params, plain.parameters()):
                 state = optimizer.state.pop(old, None)
                 if state:

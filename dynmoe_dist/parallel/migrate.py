@@ -14,9 +14,8 @@ Every ep group of a dp x ep world does this in parallel on its own ranks.
 
 from __future__ import annotations
 
-import copy
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -26,7 +25,16 @@ from torch.optim import Optimizer
 
 from ..moe.balance import start_added_experts
 from ..moe.config import MoEConfig
-from ..moe.experts import Expert, expert_param_shapes, expert_with, new_expert
+from ..moe.experts import (
+    Expert,
+    copy_expert,
+    expert_param_shapes,
+    expert_param_specs,
+    new_expert,
+    stored_expert_with,
+    stored_new_expert,
+)
+from ..moe.frozen_base import storage_tensors, store_expert, stored_weights
 from ..moe.layer import MoELayer
 from ..planning.placement import Placement
 from ..planning.planner import AddSpec, LayerPlan
@@ -58,7 +66,7 @@ def combine_experts(
     for row, combo in enumerate(combos):
         for expert, coeff in combo:
             if expert in owned:  # each expert contributes once, from its owner
-                flat[row] += coeff * torch.cat([p.detach().reshape(-1) for p in owned[expert].parameters()])
+                flat[row] += coeff * torch.cat([p.detach().to(dtype).reshape(-1) for p in owned[expert].parameters()])
     if groups.ep_size > 1:
         with named("expert combination all_reduce (ep group)", groups):
             dist.all_reduce(flat, group=groups.ep_group)
@@ -66,11 +74,11 @@ def combine_experts(
 
 
 def random_expert(config: MoEConfig, seed: int, like: Tensor) -> Expert:
-    """A freshly initialised expert, identical on every rank (seeded by the plan)."""
+    """A freshly initialised expert, identical on every rank (seeded by the plan); its frozen base stored."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         module = new_expert(config)
-    return module.to(device=like.device, dtype=like.dtype)
+    return cast(Expert, store_expert(module.to(device=like.device, dtype=like.dtype), config.base_dtype))
 
 
 # -- 2. point-to-point moves with optimizer state ----------------------------------------------------
@@ -96,7 +104,7 @@ def send_expert(module: nn.Module, optimizer: Optimizer, dst: int, groups: Paral
     header = _state_header(module, optimizer)
     pieces = []
     for p, has_state, mask in zip(module.parameters(), header[0::2], header[1::2]):
-        pieces.append(_as_bytes(p))
+        pieces += [_as_bytes(t) for t in storage_tensors(p)]  # a stored base travels as it is held
         if has_state:
             state = optimizer.state[p]
             step = torch.tensor([float(state["step"])], dtype=torch.float64, device=like.device)
@@ -107,7 +115,7 @@ def send_expert(module: nn.Module, optimizer: Optimizer, dst: int, groups: Paral
 
 
 def recv_expert(config: MoEConfig, like: Tensor, optimizer: Optimizer, src: int, groups: ParallelGroups) -> Expert:
-    module = new_expert(config).to(device=like.device, dtype=like.dtype)
+    module = stored_new_expert(config, like)  # its stored weights' tensors are overwritten with the sender's
     params = list(module.parameters())
     header = torch.zeros(2 * len(params), dtype=torch.long, device=like.device)
     with named(f"expert receive from rank {src}", groups):
@@ -123,7 +131,8 @@ def _payload_bytes(params: Sequence[Tensor], flags: List[int]) -> int:
     total = 0
     for p, has_state, mask in zip(params, flags[0::2], flags[1::2]):
         moments = bin(mask).count("1") if has_state else 0
-        total += (1 + moments) * p.numel() * p.element_size() + (8 if has_state else 0)
+        total += sum(t.numel() * t.element_size() for t in storage_tensors(p))
+        total += moments * p.numel() * p.element_size() + (8 if has_state else 0)
     return total
 
 
@@ -137,14 +146,15 @@ class _Reader:
         size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         chunk = self.payload[self.offset : self.offset + size]
         self.offset += size
-        return chunk.view(dtype).reshape(shape).clone()
+        return chunk.clone().view(dtype).reshape(shape)  # cloned first: an NF4 base's bytes leave odd offsets
 
 
 def _unpack(payload: Tensor, params: Sequence[Tensor], flags: List[int], optimizer: Optimizer) -> None:
     reader = _Reader(payload)
     with torch.no_grad():
         for p, has_state, mask in zip(params, flags[0::2], flags[1::2]):
-            p.copy_(reader.take(p.dtype, p.shape))
+            for t in storage_tensors(p):
+                t.copy_(reader.take(t.dtype, t.shape))
             if not has_state:
                 continue
             step = float(reader.take(torch.float64, ()))  # NOTE: device-to-host sync (per moved expert)
@@ -181,7 +191,8 @@ def apply_layer_plan(
         combos.append(((lp.remember_discarded, 1.0),))
     combined = combine_experts(combos, shard, groups)
     if lp.remember_discarded is not None:
-        discarded = combined.pop()
+        names = [name for name, _ in expert_param_specs(layer.config)]
+        discarded = stored_weights(combined.pop(), names, layer.config.base_dtype)
     received = _move_experts(lp, shard, local, optimizer, groups)
     added = _added_experts(lp.added, combined, discarded, layer.config, layer.router.weight)
     experts = []
@@ -190,7 +201,7 @@ def apply_layer_plan(
             old_id = lp.kept[new_id]
             experts.append(local[old_id] if old_id in local else received[new_id])
         else:
-            experts.append(copy.deepcopy(added[new_id - len(lp.kept)]))
+            experts.append(copy_expert(added[new_id - len(lp.kept)], layer.config))
     layer.experts.set_experts(experts)
     resize_router(layer, lp, optimizer)
     new_shard = shard.moved_to(lp.placement)
@@ -222,9 +233,9 @@ def _added_experts(
     experts = []
     for spec in specs:
         if spec.source == "experts":
-            experts.append(expert_with(combined.pop(0), config))
+            experts.append(stored_expert_with(combined.pop(0), config))
         elif spec.source == "discarded" and discarded is not None:
-            experts.append(expert_with(discarded, config))
+            experts.append(stored_expert_with(discarded, config))
         else:
             experts.append(random_expert(config, spec.seed, like))
     return experts

@@ -9,7 +9,8 @@ The order is torchtitan's and it matters:
   4. expert parallelism (each rank keeps its own experts), then FSDP: experts first, as they sit inside
      the blocks, then the dense blocks and the root; then ``source.fill``: a source whose weights are read
      later (an imported transformers MoE) is given storage and reads only this rank's experts and dense rows;
-     under ``[lora]`` the adapters were added before step 2 (the base frozen) and are drawn now;
+     under ``[lora]`` the adapters were added before step 2 (the base frozen) and are drawn now; a
+     low-precision base (lora.base_dtype) is stored bf16 before FSDP shards it, NF4 once filled;
   5. the optimizer over the sharded parameters, the one owner of the expert set, the gradient sync.
 The Trainer and every benchmark call this; nothing else strings these steps together.
 """
@@ -23,7 +24,7 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from ..config import RunConfig
-from ..models.lora import apply_lora, init_adapters
+from ..models.lora import apply_lora, init_adapters, lower_base, quantize_base, replicated_base
 from ..models.source import ModelSource
 from ..moe.layer import find_moe_layers
 from ..parallel.blocks import apply_activation_checkpointing
@@ -61,14 +62,17 @@ def build_parts(config: RunConfig, source: ModelSource) -> TrainParts:
     groups = init_groups(config.parallel)
     check_same_everywhere(config.digest(), groups, "config hash")
     source.place(groups.device, DTYPES[config.train.precision])
+    lower_base(model, config.lora, DTYPES[config.train.precision])  # a bf16 base, before FSDP shards it
     shards = parallelize(model, groups)
     sharding = plan_sharding(config.parallel, groups, bf16=config.train.precision == "bf16")
     shard_experts(shards, sharding)
-    shard_dense(model, shards, sharding)
+    shard_dense(model, shards, sharding, replicated=replicated_base(model, config.lora))
     held = [(shard.index, shard.local_experts, shard.layer.experts.experts) for shard in shards]
     source.fill(held, groups.device, fill_local)  # weights read once this rank's share is known
     if config.lora.enabled:
         init_adapters(model, config.train.seed, held, fill_local)
+        if config.lora.base_dtype == "nf4":
+            quantize_base(model)  # the filled weights, whole on this rank (replicated_base), stored 4-bit
     optimizer = build_optimizer(model, config.train)
     experts = ExpertSet(model, shards, sharding, optimizer, groups)
     grad_sync = GradSync(model, groups, experts_sharded=sharding.experts)

@@ -3,7 +3,7 @@ its dense MLP and every routed expert, its base stored NF4. Its forward (logits 
 model built from the dequantised base with the same adapters (1e-6); the adapters' gradients equal the float
 model's and the NF4 base gets none; the stored base is under 4.5 bits a weight (4.2 at the test's sizes, QLoRA's
 4.127 at scale); the expert bank runs its per-expert loop on NF4 experts; 'nf4' without torchao is one line naming
-the option and the install.
+the option and the install, and so is 'nf4' with expert FSDP.
 """
 
 import os
@@ -143,8 +143,8 @@ def test_a_weight_no_multiple_of_the_block_is_one_line():
     assert not nf4.is_nf4(linear.weight)
 
 
-def test_a_training_run_with_an_nf4_base_is_one_line():
-    """Until migration, FSDP and checkpoints carry NF4 weights, a run file asking for them fails at load."""
-    with pytest.raises(ValueError, match=r"base_dtype \(.nf4.\): a training run cannot hold an NF4 base") as err:
-        load_config(None, ["lora.enabled=true", "lora.base_dtype='nf4'"])
+def test_an_nf4_base_with_expert_fsdp_is_one_line():
+    """NF4 experts are not FSDP-sharded over their expert-dp group: a run file asking for both fails at load."""
+    with pytest.raises(ValueError, match=r"base_dtype \('nf4'\) with parallel.expert_sharding \('fsdp'\)") as err:
+        load_config(None, ["lora.enabled=true", "lora.base_dtype='nf4'", "parallel.expert_sharding='fsdp'"])
     assert "\n" not in str(err.value)

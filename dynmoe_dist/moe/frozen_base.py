@@ -1,0 +1,106 @@
+"""How LoRA's frozen base is stored (``lora.base_dtype``): in the run's dtype, in bfloat16, or NF4 (QLoRA).
+
+Shape legend: none (whole parameters).
+
+A stored weight stays an ``nn.Parameter`` (frozen) where the weight was, so names, hooks, checkpoints and
+everything that enumerates a module's parameters see it as before; only its storage changes:
+  'bfloat16'  the weight rounded to bfloat16: 2 bytes a weight;
+  'nf4'       a torchao NF4Tensor (moe/nf4.py): about 4.1 bits a weight.
+Whoever computes with a stored weight casts it to its input's dtype per call (``w.to(x.dtype)``: an exact
+upcast of the bf16 values, a dequantisation of NF4), so the activations and the adapters' gradients are
+computed in the run's dtype against the rounded base; the experts' forwards already do, dense projections get
+``upcast_forward``. The adapters, a trainable router and the optimizer stay in the run's dtype.
+
+For an expert that moves between ranks (parallel/migrate.py) ``storage_tensors`` are the plain tensors that
+hold a stored weight (an NF4 weight's codes, scales and constants), so a move sends its bits, not a float copy,
+and the receiver's copy is the sender's bit for bit.
+"""
+
+from __future__ import annotations
+
+from functools import reduce
+from typing import List, Sequence, cast
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import nf4
+
+# The weights of every expert kind a low-precision base stores (biases stay in the run's dtype, as in QLoRA).
+EXPERT_WEIGHTS = nf4.EXPERT_WEIGHTS
+
+
+def stored(weight: Tensor, base_dtype: str) -> Tensor:
+    """``weight`` (in the run's dtype) as ``base_dtype`` stores it."""
+    if base_dtype == "bfloat16":
+        return weight.detach().to(torch.bfloat16)
+    if base_dtype == "nf4":
+        return nf4.to_nf4(weight)
+    return weight
+
+
+def store(module: nn.Module, attr: str, base_dtype: str) -> None:
+    """Replace the weight ``module.attr`` by a frozen parameter holding it as ``base_dtype`` stores it; the old
+    tensor is dropped (nothing keeps a copy in the run's dtype)."""
+    if base_dtype == "run":
+        return
+    weight = cast(Tensor, getattr(module, attr))
+    if is_stored(weight):
+        return
+    setattr(module, attr, nn.Parameter(stored(weight, base_dtype), requires_grad=False))
+
+
+def is_stored(t: Tensor) -> bool:
+    """Whether ``t`` is a weight a low-precision base stores (bf16 or NF4)."""
+    return t.dtype == torch.bfloat16 or nf4.is_nf4(t)
+
+
+def store_expert(expert: nn.Module, base_dtype: str) -> nn.Module:
+    """``expert`` with its frozen weights stored as ``base_dtype`` says (its adapters and biases unchanged; a
+    weight that trains, in a full finetune, stays as it is)."""
+    for attr in EXPERT_WEIGHTS:
+        weight = getattr(expert, attr, None)
+        if weight is not None and not weight.requires_grad:
+            store(expert, attr, base_dtype)
+    return expert
+
+
+def storage_tensors(p: Tensor) -> List[Tensor]:
+    """The plain tensors that hold ``p``: an NF4 weight's inner tensors, in torchao's flatten order; else ``p``."""
+    if not nf4.is_nf4(p):
+        return [p]
+    names, _ = p.__tensor_flatten__()  # type: ignore[attr-defined]
+    return [getattr(p, name) for name in names]
+
+
+def run_dtype(params: Sequence[Tensor]) -> torch.dtype:
+    """The run's dtype among an expert's parameters: the widest (adapters and biases keep it; a bf16 weight is
+    narrower; an NF4 weight reports the dtype it was quantised from)."""
+    return reduce(torch.promote_types, (p.dtype for p in params))
+
+
+def upcast_forward(linear: nn.Linear) -> None:
+    """Compute ``linear`` with its stored weight cast to the input's dtype per call (F.linear needs one dtype);
+    the module, its parameters' names and its hooks stay."""
+    linear.forward = _upcast_linear.__get__(linear)  # type: ignore[method-assign]
+
+
+def _upcast_linear(linear: nn.Linear, x: Tensor) -> Tensor:
+    bias = None if linear.bias is None else linear.bias.to(x.dtype)
+    return F.linear(x, linear.weight.to(x.dtype), bias)
+
+
+def upcast_output(embedding: nn.Embedding, dtype: torch.dtype) -> None:
+    """An embedding whose table is stored bf16 hands on its rows in ``dtype`` (exact: a bf16 value is a float32)."""
+    embedding.register_forward_hook(lambda _module, _args, out_BLD: out_BLD.to(dtype))
+
+
+def stored_weights(params: Sequence[Tensor], names: Sequence[str], base_dtype: str) -> List[Tensor]:
+    """An expert's parameters as loose tensors (a discarded expert remembered for a later event), its frozen
+    weights rounded to bf16 under a bf16 base (exact: they came from bf16 weights). An NF4 base's stay in the
+    run's dtype: their dequantised values are no bf16 values and re-quantising them would round again."""
+    if base_dtype != "bfloat16":
+        return list(params)
+    return [p.to(torch.bfloat16) if name in EXPERT_WEIGHTS else p for p, name in zip(params, names)]

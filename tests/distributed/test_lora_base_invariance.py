@@ -1,0 +1,113 @@
+"""LoRA runs with a low-precision frozen base (lora.base_dtype 'bfloat16' and 'nf4') of an imported Qwen3-MoE on
+1, 2 and 3 gloo ranks (ep 1 / 2 / 3 with 8 experts; an uneven global batch of 7) give the one-process run's
+losses in float64 (1e-9), converted to top-any so that adaptive events add, remove and re-place experts (their
+stored base moving with them bit for bit, new ones stored as the base is), with the dense weights replicated and
+FSDP-sharded (a bf16 base sharded, an NF4 base whole on every rank, its adapters sharded). Each world's
+group is spawned once: one run_simulated call trains every case; the test checks every case stored its base."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+from hf_tiny import changes, moe_run_settings, save_moe_run_files  # noqa: E402
+
+from dynmoe_dist.config import load_config  # noqa: E402
+from dynmoe_dist.parallel.simulate import run_simulated  # noqa: E402
+
+pytest.importorskip("torchao")
+
+STEPS = 6  # events after steps 3 and 6 (adaptive.period_steps = 3)
+LORA = ("lora.enabled=true", "lora.rank=2", "lora.targets=['attention', 'dense_mlp', 'routed_experts']")
+TOP_ANY = (
+    "moe.router='top_any'",
+    "moe.calibrate_k=1",
+    "moe.calibrate_samples=16",
+    "train.seed=2",
+)  # seed 2: events remove too
+FSDP = ("parallel.dense_sharding='fsdp'",)
+CASES = {
+    "bfloat16": ("lora.base_dtype='bfloat16'",),
+    "bfloat16-fsdp": ("lora.base_dtype='bfloat16'", *FSDP),
+    "nf4": ("lora.base_dtype='nf4'",),
+    "nf4-fsdp": ("lora.base_dtype='nf4'", *FSDP),
+}
+
+
+def stored_kinds(model):
+    """'bf16' / 'nf4' / 'plain' -> how many frozen expert weights are held so (every rank's own experts)."""
+    from dynmoe_dist.moe import nf4
+    from dynmoe_dist.moe.layer import find_moe_layers
+
+    kinds = {"bf16": 0, "nf4": 0, "plain": 0}
+    for _, layer in find_moe_layers(model):
+        for expert in layer.experts.experts:
+            for name in ("w_gate", "w_in", "w_out"):
+                p = getattr(expert, name)
+                kinds["nf4" if nf4.is_nf4(p) else "bf16" if str(p.dtype) == "torch.bfloat16" else "plain"] += 1
+    return kinds
+
+
+def train_case(root, out, world, extra):
+    """step -> loss, the expert changes of the events, the test loss, how the experts' base is held at the end."""
+    from dynmoe_dist.coordination import CollectiveCoordinator
+    from dynmoe_dist.train.loop import Trainer
+    from dynmoe_dist.train.run import adaptive_controller, calibrate_at_start, step_once
+
+    settings = moe_run_settings(
+        root / "qwen3_moe", root / "corpus.txt", world, *LORA, *TOP_ANY, *extra, steps=STEPS, batch=7
+    )
+    trainer = Trainer(load_config(None, [*settings, f"output.out_dir='{out}'"]))
+    adaptive = adaptive_controller(trainer, CollectiveCoordinator(trainer.groups))
+    calibrate_at_start(trainer)
+    losses, events = {}, []
+    while trainer.step < STEPS:
+        record, new_events = step_once(trainer, adaptive, [])
+        losses[record["step"]] = record["loss"]
+        events += changes(new_events)
+    kinds = stored_kinds(trainer.parts.model)
+    return {"losses": losses, "events": events, "test_loss": trainer.evaluate()["test_loss"], "kinds": kinds}
+
+
+def worker(root, world):
+    return {name: train_case(root, root / f"{name}-{world}", world, extra) for name, extra in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return save_moe_run_files(tmp_path_factory.mktemp("lora-base"), "qwen3_moe", 8)
+
+
+@pytest.fixture(scope="module")
+def reference(root):
+    return worker(root, 1)
+
+
+def assert_alike(got, want, what):
+    assert sorted(got["losses"]) == list(range(1, STEPS + 1)), what
+    for step, loss in want["losses"].items():
+        assert abs(got["losses"][step] - loss) <= 1e-9 * abs(loss), (
+            f"{what} step {step}: {got['losses'][step]} != {loss}"
+        )
+    assert abs(got["test_loss"] - want["test_loss"]) <= 1e-9 * want["test_loss"], what
+    assert got["events"] == want["events"], what
+
+
+def check_stored(results, name):
+    kind = "bf16" if name.startswith("bfloat16") else "nf4"
+    assert results["kinds"][kind] > 0 and sum(results["kinds"].values()) == results["kinds"][kind], (name, results)
+
+
+def test_the_one_rank_runs_store_their_base_and_change_experts(reference):
+    for name, results in reference.items():
+        check_stored(results, name)
+        removed = any(removed for _, _, removed, _, _ in results["events"])
+        assert removed and any(added for *_, added, _ in results["events"]), (name, results["events"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_more_ranks_train_like_one(root, reference, world):
+    for rank, results in enumerate(run_simulated(worker, world, args=(root, world), timeout_s=900)):
+        for name in CASES:
+            assert_alike(results[name], reference[name], f"{name} world {world} rank {rank}")
+            check_stored(results[name], name)
