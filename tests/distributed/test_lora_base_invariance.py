@@ -3,7 +3,8 @@
 losses in float64 (1e-9), converted to top-any so that adaptive events add, remove and re-place experts (their
 stored base moving with them bit for bit, new ones stored as the base is), with the dense weights replicated and
 FSDP-sharded (a bf16 base sharded, an NF4 base whole on every rank, its adapters sharded). Each world's
-group is spawned once: one run_simulated call trains every case; the test checks every case stored its base."""
+group is spawned once: one run_simulated call trains every case; the test checks every case stored its base.
+The 3-rank world is marked slow (make test-slow)."""
 
 import os
 
@@ -105,7 +106,7 @@ def test_the_one_rank_runs_store_their_base_and_change_experts(reference):
         assert removed and any(added for *_, added, _ in results["events"]), (name, results["events"])
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # about 35 s and 60 s
 def test_more_ranks_train_like_one(root, reference, world):
     for rank, results in enumerate(run_simulated(worker, world, args=(root, world), timeout_s=900)):
         for name in CASES:
