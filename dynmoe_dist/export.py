@@ -40,7 +40,7 @@ import torch.nn as nn
 from .data.tokenizers import load_tokenizer
 from .models.build import build_model
 from .models.hf.export_files import MAX_SHARD_SIZE, prepare_out_dir, shard_size_bytes
-from .models.lora import apply_lora, expert_config, fill_whole, held_experts
+from .models.lora import apply_lora, expert_config, fill_whole, held_experts, round_base, rounded_base_experts
 from .models.lora_export import export_lora
 from .models.source import ModelSource
 from .moe.experts import expert_key
@@ -147,8 +147,10 @@ def export(
         else:  # the frozen base read from model.path as a fresh run reads it
             source.place(torch.device("cpu"), dtype)
             source.fill(held_experts(source.model), torch.device("cpu"), fill_whole)
-        fill_experts(source.model, experts, meta, checkpoint, None if whole else source.base_expert)
+        base = None if whole else rounded_base_experts(source.base_expert, run.lora)
+        fill_experts(source.model, experts, meta, checkpoint, base)
         fill_dense(source.model, dense, checkpoint, whole)
+        round_base(source.model, run.lora)  # a low-precision base as the run held it, widened: merged onto that
         bar.advance()
         written = write(source, run, meta, out, tokenizer, max_shard_size, adapter)
         bar.advance()
@@ -163,7 +165,7 @@ def built_source(checkpoint: Path, meta: Dict, run) -> Tuple[ModelSource, Any]:
     tokenizer_at = str(saved) if saved else tokenizer_path(run)
     tokenizer = load_tokenizer(tokenizer_at, "task.tokenizer")
     needs = ModelNeeds("causal-lm", len(tokenizer), max_len=run.task.max_len, tokenizer=tokenizer_at)
-    moe = expert_config(run.moe, run.lora)
+    moe = replace(expert_config(run.moe, run.lora), base_dtype="run")  # held widened (round_base), then merged
     if FROZEN_BASE in meta["states"]["experts"]:
         checked_base(meta["states"].get("model"), run.model.path)
         source = build_model(run.model, moe, needs)

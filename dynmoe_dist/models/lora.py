@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Callable, Dict, List, Sequence, Tuple, cast
+from typing import Callable, Dict, List, Mapping, Sequence, Tuple, Union, cast
 
 import torch
 import torch.nn as nn
@@ -43,6 +43,8 @@ TARGETS = {
 }
 ROUTER_MODES = ("frozen", "trainable")
 _SHARED = (".shared_experts.", ".shared_expert.")
+# (MoE layer, base expert) -> its weights by parameter name (models.source's base_expert)
+BaseExperts = Callable[[int, int], Mapping[str, Tensor]]
 
 
 @dataclass
@@ -160,15 +162,10 @@ def lower_base(model: nn.Module, lora: LoraConfig, dtype: torch.dtype) -> None:
     and computed in ``dtype`` (moe/frozen_base.py), and with 'bfloat16' every routed expert's frozen weights too.
     NF4 leaves the adapted projections and the experts to ``quantize_base`` (it quantises filled weights). Called
     once the model has its dtype and before FSDP shards it (on the meta device for a source filled later)."""
-    if not lora.enabled or lora.base_dtype == "run":
-        return
-    quantized_later = {id(p) for p in replicated_base(model, lora)}
     lowered: Dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        if not isinstance(module, (nn.Linear, nn.Embedding)) or module.weight.requires_grad:
-            continue
+    for module, storage in frozen_dense(model, lora):
         weight = module.weight
-        if id(weight) in quantized_later:
+        if storage != "bfloat16":
             continue
         if id(weight) not in lowered:
             lowered[id(weight)] = nn.Parameter(frozen_base.stored(weight, "bfloat16"), requires_grad=False)
@@ -177,10 +174,64 @@ def lower_base(model: nn.Module, lora: LoraConfig, dtype: torch.dtype) -> None:
             frozen_base.upcast_forward(module)
         else:
             frozen_base.upcast_output(module, dtype)
-    if lora.base_dtype == "bfloat16":
+    if lora.enabled and lora.base_dtype == "bfloat16":
         for layer in moe_layers(model):
             for expert in layer.experts.experts:
                 frozen_base.store_expert(expert, "bfloat16")
+
+
+def frozen_dense(model: nn.Module, lora: LoraConfig) -> List[Tuple[Union[nn.Linear, nn.Embedding], str]]:
+    """(module, how it is stored) of every nn.Linear and nn.Embedding whose frozen weight a low-precision base
+    stores: 'nf4' for an adapted projection under NF4, 'bfloat16' for every other one; none with 'run'."""
+    if not lora.enabled or lora.base_dtype == "run":
+        return []
+    quantized = {id(p) for p in replicated_base(model, lora)}
+    return [
+        (module, "nf4" if id(module.weight) in quantized else "bfloat16")
+        for module in model.modules()
+        if isinstance(module, (nn.Linear, nn.Embedding)) and not module.weight.requires_grad
+    ]
+
+
+def round_base(model: nn.Module, lora: LoraConfig) -> None:
+    """In place, every weight a low-precision base stores rounded as it stores it and widened back (bf16 rounded,
+    NF4 quantised and dequantised): the base the run computed with, for a merged export of a model whose weights
+    are in the run's dtype."""
+    weights: List[Tuple[Tensor, str]] = [(module.weight, storage) for module, storage in frozen_dense(model, lora)]
+    if lora.enabled and lora.base_dtype != "run":
+        weights += [(weight, lora.base_dtype) for weight in expert_base(model)]
+    with torch.no_grad():
+        for weight, storage in weights:
+            weight.copy_(frozen_base.stored(weight, storage).to(weight.dtype))
+
+
+def expert_base(model: nn.Module) -> List[Tensor]:
+    """The frozen weights of every routed expert the model holds (not their biases nor adapters)."""
+    return [
+        weight
+        for layer in moe_layers(model)
+        for expert in layer.experts.experts
+        for weight in (getattr(expert, attr, None) for attr in frozen_base.EXPERT_WEIGHTS)
+        if weight is not None and not weight.requires_grad
+    ]
+
+
+def rounded_base_experts(base: BaseExperts, lora: LoraConfig) -> BaseExperts:
+    """``base`` (models.source's ``base_expert``: a base expert's weights by name) with its frozen weights as a
+    bf16 base held them, widened: a resumed or exported expert that an event formed from stored experts is formed
+    from the same values. An NF4 base's are left as read: re-quantising dequantised NF4 weights rounds them again
+    (so an NF4 expert an event formed resumes within NF4's rounding of the run's; the base's own ones exactly)."""
+    if not lora.enabled or lora.base_dtype != "bfloat16":
+        return base
+
+    def rounded(layer: int, expert: int) -> Mapping[str, Tensor]:
+        weights = base(layer, expert)
+        return {
+            name: w.to(torch.bfloat16).to(w.dtype) if name in frozen_base.EXPERT_WEIGHTS else w
+            for name, w in weights.items()
+        }
+
+    return rounded
 
 
 def replicated_base(model: nn.Module, lora: LoraConfig) -> List[nn.Parameter]:

@@ -16,7 +16,7 @@ import torch
 
 from ..config import RunConfig
 from ..models.build import build_model
-from ..models.lora import expert_config
+from ..models.lora import expert_config, rounded_base_experts
 from ..moe.balance import Balancers
 from ..moe.layer import MoELayer
 from ..parallel.groups import ParallelGroups, current_world_size, sum_over_ranks
@@ -95,6 +95,10 @@ class Trainer:
     def is_rank0(self) -> bool:
         return self.parts.groups.rank == 0
 
+    def base_experts(self):
+        """The base's experts as this run holds them (a bf16 base's rounded): what a resume rebuilds experts from."""
+        return rounded_base_experts(self.source.base_expert, self.config.lora)
+
     def checkpoint_manager(self, adaptive=None) -> CheckpointManager:
         """The run's checkpoints: this loop, the expert set, the dense state, the recorders and, with
         adaptive experts on, the controller, as named parts."""
@@ -102,7 +106,7 @@ class Trainer:
         states: Dict[str, Part] = {
             "trainer": self,
             # a LoRA run's checkpoints hold what trains; the frozen base is rebuilt from model.path
-            **weight_parts(parts, self.source.base_expert if self.config.lora.enabled else None),
+            **weight_parts(parts, self.base_experts() if self.config.lora.enabled else None),
             "recorders": self.recorders,
             "model": ModelFiles(self.source, self.config, parts.groups),
         }
