@@ -147,8 +147,8 @@ def export(
         else:  # the frozen base read from model.path as a fresh run reads it
             source.place(torch.device("cpu"), dtype)
             source.fill(held_experts(source.model), torch.device("cpu"), fill_whole)
-        base = None if whole else rounded_base_experts(source.base_expert, run.lora)
-        fill_experts(source.model, experts, meta, checkpoint, base)
+        base_experts = None if whole else rounded_base_experts(source.base_expert, run.lora)
+        fill_experts(source.model, experts, meta, checkpoint, base_experts)
         fill_dense(source.model, dense, checkpoint, whole)
         round_base(source.model, run.lora)  # a low-precision base as the run held it, widened: merged onto that
         bar.advance()

@@ -12,9 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hf_tiny import moe_run_settings, save_moe_run_files  # noqa: E402
+from hf_tiny import moe_run_settings, save_moe_run_files, train_saving  # noqa: E402
 
-from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.export import main  # noqa: E402
 from dynmoe_dist.moe.aux_collector import collect_aux_losses  # noqa: E402
 
@@ -31,26 +30,11 @@ def root(tmp_path_factory):
 
 def losses_to_the_end(root, base_dtype, out, *more, save_at=None, resume=""):
     """(step -> loss of the run to step 6, the checkpoint written after ``save_at`` steps, the trainer)."""
-    from dynmoe_dist.coordination import CollectiveCoordinator
-    from dynmoe_dist.train.loop import Trainer
-    from dynmoe_dist.train.run import adaptive_controller, calibrate_at_start, step_once
-
     settings = moe_run_settings(root / "qwen3_moe", root / "corpus.txt", 1, *LORA, *TOP_ANY, steps=6, batch=7)
-    extra = [f"lora.base_dtype='{base_dtype}'", f"output.out_dir='{root / out}'", f"output.resume='{resume}'"]
-    run = Trainer(load_config(None, [*settings, *extra, *more]))
-    adaptive = adaptive_controller(run, CollectiveCoordinator(run.groups))
-    checkpoints = run.checkpoint_manager(adaptive)
-    if resume:
-        checkpoints.resume(resume)
-    else:
-        calibrate_at_start(run)
-    losses, saved = {}, ""
-    while run.step < 6:
-        record, _ = step_once(run, adaptive, [])
-        losses[record["step"]] = record["loss"]
-        if run.step == save_at:
-            saved = str(checkpoints.save(run.step))
-    return losses, saved, run
+    run, losses, _, saved = train_saving(
+        [*settings, f"lora.base_dtype='{base_dtype}'", *more], root / out, 6, save_at=save_at, resume=resume
+    )
+    return losses, str(saved), run
 
 
 @pytest.mark.parametrize("base_dtype, save_at", [("bfloat16", 4), ("nf4", 1)])
