@@ -8,6 +8,7 @@
     pretrain-moe  pre-train a small Qwen3-MoE on the installed packages' docstrings; a stock checkpoint
     moe-finetune  finetune it on Rotten Tomatoes three ways (native, top-any, top-any + pruning): does it pay?
     moe-frontier  held-out loss against expert FLOPs: native top-1/2/3, top-p, top-any at five budgets
+    moe-lora      LoRA (ranks 8, 32) and QLoRA against the full finetune: held-out loss and peak memory
 
 `python -m dynmoe_dist.experiments SUBCOMMAND --help` lists a subcommand's options.
 """
@@ -68,6 +69,12 @@ def _moe_frontier(argv):
     main(argv, prog=f"{PROG} moe-frontier")
 
 
+def _moe_lora(argv):
+    from .moe_lora import main
+
+    main(argv, prog=f"{PROG} moe-lora")
+
+
 SUBCOMMANDS = {
     "compare": _compare,
     "losses": _losses,
@@ -77,6 +84,7 @@ SUBCOMMANDS = {
     "pretrain-moe": _pretrain_moe,
     "moe-finetune": _moe_finetune,
     "moe-frontier": _moe_frontier,
+    "moe-lora": _moe_lora,
 }
 
 

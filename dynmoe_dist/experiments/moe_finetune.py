@@ -176,14 +176,23 @@ def _step0_on_rank(configs: Dict[str, RunConfig]) -> Dict[str, Any]:
     return out
 
 
-def _finetune_on_rank(config: RunConfig) -> Dict[str, List[float]]:
+def _finetune_on_rank(config: RunConfig) -> Dict[str, Any]:
+    """{'probe': the routing probe's totals, 'peak_mib': this rank's peak resident memory above what it held
+    before the model was built (NaN where it cannot be measured)}."""
+    from ..bench.measure import measured_call
     from ..train.loop import Trainer
     from ..train.run import run
 
-    trainer = Trainer(config)
-    probe = RoutingProbe.attach(trainer.model)
-    run(config, trainer=trainer)
-    return probe.totals()
+    out: Dict[str, Any] = {}
+
+    def finetune() -> None:
+        trainer = Trainer(config)
+        probe = RoutingProbe.attach(trainer.model)
+        run(config, trainer=trainer)
+        out["probe"] = probe.totals()
+
+    out["peak_mib"] = measured_call(finetune)[0]
+    return out
 
 
 def eval_k(probe: Dict[str, List[float]]) -> List[float]:
@@ -269,8 +278,10 @@ def train_config(
         shutil.rmtree(folder, ignore_errors=True)  # metrics.jsonl is appended to: start clean
         folder.mkdir(parents=True)
         started = time.perf_counter()
-        probe = add_totals(simulated(_finetune_on_rank, plan.sizes.world_size, (config,)))
+        per_rank = simulated(_finetune_on_rank, plan.sizes.world_size, (config,))
+        probe = add_totals([rank["probe"] for rank in per_rank])
         result = summarise_finetune(name, seed, read_metrics(folder / METRICS_FILE), eval_k(probe), step0_loss)
+        result = replace(result, peak_mib=max(rank["peak_mib"] for rank in per_rank))
         log(f"{name} seed {seed}: held-out loss {result.test_loss:.4f} in {time.perf_counter() - started:.0f}s")
     if export and needs_finish(result):
         result = finish(plan, result, folder)

@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..config import RunConfig
 from ..train.cli import exit_usage_error
@@ -138,8 +138,8 @@ def run_plan(plan: Plan, chosen: Sequence[Variant], reuse: bool) -> Dict[str, An
 # CLI
 
 
-def parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+def parser(prog: str, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--model", required=True, help="the pre-trained MoE checkpoint (pretrain-moe's DIR)")
     p.add_argument("--seeds", type=int, default=3, help="training seeds 0..N-1 (default 3)")
     p.add_argument("--out", default="runs/moe_frontier", help="output directory (default runs/moe_frontier)")
@@ -159,13 +159,13 @@ def model_shape(config: RunConfig) -> Dict[str, int]:
     return {"dim": decided["model.dim"], "ffn_dim": decided["model.ffn_dim"], "matmuls": 2 if kind == "ffn" else 3}
 
 
-def make_plan(args) -> Tuple[Plan, List[Variant]]:
+def make_plan(args, every: Sequence[Variant]) -> Tuple[Plan, List[Variant]]:
+    """The plan and the variants ``--only`` keeps of ``every``; every config loaded (one-line ValueErrors)."""
     if args.seeds < 1:
         raise ValueError(f"--seeds ({args.seeds}) must be >= 1")
     if args.world_size < 0:
         raise ValueError(f"--world-size ({args.world_size}) must be >= 1 (0 = the default, 1)")
     info = check_model(args.model)
-    every = variants()
     unknown = sorted(set(args.only) - {v.name for v in every})
     if unknown:
         raise ValueError(
@@ -184,20 +184,28 @@ def make_plan(args) -> Tuple[Plan, List[Variant]]:
     return plan, chosen
 
 
-def main(argv: Optional[Sequence[str]] = None, prog: str = "moe-frontier") -> Dict[str, Any]:
-    from .frontier_report import write_outputs
+Writer = Callable[[Path, Dict[str, Any], str, Dict[str, Any]], Dict[str, Path]]
 
+
+def run_command(argv: Optional[Sequence[str]], prog: str, doc: str, every: Sequence[Variant], write: Writer):
+    """The CLI of moe-frontier and moe-lora: parse, plan (usage errors in one line), run, write, print."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser(prog).parse_args(argv)
+    args = parser(prog, doc.split("\n\n")[0]).parse_args(argv)
     try:
-        plan, chosen = make_plan(args)
+        plan, chosen = make_plan(args, every)
     except ValueError as err:
         exit_usage_error(prog, err)
     started = time.perf_counter()
     outcome = run_plan(plan, chosen, args.reuse)
     log(f"{len(chosen) * len(plan.seeds)} runs in {time.perf_counter() - started:.0f}s")
     command = f"python -m dynmoe_dist.experiments {prog.split()[-1]} {shlex.join(argv)}".strip()
-    paths = write_outputs(plan.out, outcome, command, plan.model_info)
+    paths = write(plan.out, outcome, command, plan.model_info)
     print(paths["md"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return {"plan": plan, **outcome, "paths": paths}
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: str = "moe-frontier") -> Dict[str, Any]:
+    from .frontier_report import write_outputs
+
+    return run_command(argv, prog, __doc__ or "", variants(), write_outputs)

@@ -62,6 +62,9 @@ class FinetuneResult:
     added: List[int]
     steps: int
     wall_s: float
+    peak_mib: float = math.nan
+    """The largest rank's peak resident memory during the run (model built, trained, evaluated) above what the
+    process held before, in MiB."""
     load_cv: List[float] = field(default_factory=list)
     """Per MoE layer, the coefficient of variation of the experts' token counts (std / mean), averaged over
     the training steps: 0 = perfectly balanced."""
@@ -174,6 +177,7 @@ class VariantRow:
     """At the eval k, relative to native top-k."""
     per_token_ms: Spread
     base_per_token_ms: Spread
+    peak_mib: Spread
     load_cv: Spread
     """Mean over layers of the per-layer load coefficient of variation over training (FinetuneResult.load_cv)."""
     runs: List[FinetuneResult] = field(default_factory=list, repr=False)
@@ -212,6 +216,7 @@ def aggregate_variant(
         flops_ratio=Spread.of([flops_ratio(r.eval_k, native_k) for r in runs]),
         per_token_ms=Spread.of([r.per_token_ms for r in runs]),
         base_per_token_ms=Spread.of([r.base_per_token_ms for r in runs]),
+        peak_mib=Spread.of([r.peak_mib for r in runs]),
         load_cv=Spread.of([float(np.mean(r.load_cv)) if r.load_cv else math.nan for r in runs]),
         runs=list(runs),
     )

@@ -121,3 +121,24 @@ def test_bad_input_is_one_line(tiny, capsys):
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and re.search(message, err)
+
+
+def test_tiny_lora_shares_the_full_finetune_and_trains_adapters_only(tiny):
+    from dynmoe_dist.experiments import moe_lora
+
+    root, _ = tiny
+    argv = ["--model", str(root / "model"), "--tiny", "--world-size", "1", "--seeds", "2", "--out", str(root / "out")]
+    moe_lora.main(argv + ["--only", "native-k2", "native-k2-lora-r8"])
+    report = json.loads((root / "out" / "lora.json").read_text())
+    full, lora = report["variants"]
+    assert (full["variant"], lora["variant"]) == ("native-k2", "native-k2-lora-r8")
+    frontier = json.loads((root / "out" / "frontier.json").read_text())
+    same = next(v for v in frontier["variants"] if v["variant"] == "native-k2")
+    assert full["test_loss"] == same["test_loss"]  # the frontier's run, reused
+    assert lora["test_loss"]["mean"] != full["test_loss"]["mean"]
+    for run in lora["runs"]:
+        assert run["peak_mib"] > 0 and math.isfinite(run["test_loss"])
+    config = (root / "out" / "runs" / "native-k2-lora-r8" / "seed0" / "config.toml").read_text()
+    assert "rank = 8" in config and "alpha = 16.0" in config and "lr = 0.002" in config
+    md = (root / "out" / "lora.md").read_text()
+    assert "| native: LoRA r 8 | " in md and "| native: full finetune | " in md
