@@ -142,6 +142,12 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--model", required=True, help="the pre-trained MoE checkpoint (pretrain-moe's DIR)")
     p.add_argument("--seeds", type=int, default=3, help="training seeds 0..N-1 (default 3)")
+    p.add_argument(
+        "--seed-list",
+        default="",
+        help="run only these seeds, e.g. '2' or '0,1' (one command per seed runs them side by side; a last call "
+        "with --seeds reuses them and writes the report over all)",
+    )
     p.add_argument("--out", default="runs/moe_frontier", help="output directory (default runs/moe_frontier)")
     p.add_argument("--only", nargs="+", default=(), metavar="VARIANT", help="run these variants only (names above)")
     p.add_argument("--tiny", action="store_true", help="40 snippets, 16-token windows: seconds per run (tests)")
@@ -159,6 +165,18 @@ def model_shape(config: RunConfig) -> Dict[str, int]:
     return {"dim": decided["model.dim"], "ffn_dim": decided["model.ffn_dim"], "matmuls": 2 if kind == "ffn" else 3}
 
 
+def seed_list(args) -> List[int]:
+    if not args.seed_list:
+        return list(range(args.seeds))
+    try:
+        seeds = [int(part) for part in args.seed_list.split(",")]
+    except ValueError:
+        raise ValueError(f"--seed-list ({args.seed_list!r}) must be seeds separated by commas, e.g. '0,1'") from None
+    if min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seed-list ({args.seed_list!r}) must be distinct seeds >= 0")
+    return seeds
+
+
 def make_plan(args, every: Sequence[Variant]) -> Tuple[Plan, List[Variant]]:
     """The plan and the variants ``--only`` keeps of ``every``; every config loaded (one-line ValueErrors)."""
     if args.seeds < 1:
@@ -174,7 +192,7 @@ def make_plan(args, every: Sequence[Variant]) -> Tuple[Plan, List[Variant]]:
     chosen = [v for v in every if not args.only or v.name in args.only]
     sizes = TINY if args.tiny else FRONTIER
     sizes = replace(sizes, world_size=args.world_size or sizes.world_size)
-    plan = Plan(Path(args.model), Path(args.out), list(range(args.seeds)), sizes, info)
+    plan = Plan(Path(args.model), Path(args.out), seed_list(args), sizes, info)
     plan = replace(plan, model_info={**info, **model_shape(run_config(plan, chosen[0], 0))})
     if any(v.native_k > info["num_experts"] for v in chosen):
         raise ValueError(f"--model ({args.model!r}) has {info['num_experts']} experts: too few for native top-3")

@@ -108,6 +108,9 @@ def test_a_second_call_reuses_every_finished_run(tiny, capsys):
     moe_frontier.main(argv)
     err = capsys.readouterr().err
     assert err.count("reusing the finished run") == 12 and "held-out loss" not in err
+    moe_frontier.main(argv + ["--seed-list", "1"])  # one seed of the same runs
+    err = capsys.readouterr().err
+    assert err.count("reusing the finished run") == 6 and "seed 1: reusing" in err and "seed 0" not in err
 
 
 def test_bad_input_is_one_line(tiny, capsys):
@@ -115,6 +118,8 @@ def test_bad_input_is_one_line(tiny, capsys):
     for argv, message in (
         (["--only", "top-k9"], r"--only \(top-k9\) names no variant; choose from native-k1, "),
         (["--seeds", "0"], r"--seeds \(0\) must be >= 1"),
+        (["--seed-list", "1,x"], r"--seed-list \('1,x'\) must be seeds separated by commas"),
+        (["--seed-list", "1,1"], r"--seed-list \('1,1'\) must be distinct seeds >= 0"),
     ):
         with pytest.raises(SystemExit) as exit_info:
             moe_frontier.main(["--model", str(root / "model"), "--out", str(root / "bad"), *argv])
