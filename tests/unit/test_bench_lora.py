@@ -13,6 +13,7 @@ from dynmoe_dist.bench import lora as bench  # noqa: E402
 from dynmoe_dist.bench.lora_cases import CASES, refusal, run_overrides, summarize  # noqa: E402
 from dynmoe_dist.bench.lora_peft import compare_peft  # noqa: E402
 from dynmoe_dist.bench.moe_checkpoint import write_checkpoint  # noqa: E402
+from dynmoe_dist.moe import nf4  # noqa: E402
 
 
 def _rank(wall, peak, trainable=10, loss=1.0):
@@ -106,9 +107,11 @@ def test_tiny_run_measures_every_accepted_case_and_trains_only_adapters(tmp_path
     full = result["cases"]["full"]
     assert full["trainable_parameters_by_rank"] == full["parameters_by_rank"]  # every weight trains
     measured = {name: case for name, case in result["cases"].items() if "skipped" not in case}
-    assert {"full", "lora"} <= set(measured)
+    assert set(measured) == set(CASES) - (set() if nf4.backend_available() else {"qlora"})
+    frozen = [measured[name]["frozen_parameters_mib_per_rank"] for name in measured if name != "full"]
+    assert frozen == sorted(frozen, reverse=True) and len(set(frozen)) == len(frozen)  # run dtype > bf16 > NF4
     for name, case in result["cases"].items():
-        if "skipped" in case:  # refused by the config (until that base dtype lands): its one line
+        if "skipped" in case:  # refused by the config (NF4 without torchao): its one line, no ratios
             assert "lora.base_dtype" in case["skipped"] and result["against_full"][name] == case
             continue
         assert case["ranks"] == 2 and case["step_s_median"] > 0 and case["peak_mib_per_rank"] > 0
