@@ -2,15 +2,17 @@
 1, 2 and 3 gloo ranks (ep 1 / 2 / 3 with 8 experts; an uneven global batch of 7) give the one-process run's
 losses in float64 (1e-9), converted to top-any so that adaptive events add, remove and re-place experts (their
 stored base moving with them bit for bit, new ones stored as the base is), with the dense weights replicated and
-FSDP-sharded (a bf16 base sharded, an NF4 base whole on every rank, its adapters sharded). Each world's
-group is spawned once: one run_simulated call trains every case; the test checks every case stored its base.
-The 3-rank world is marked slow (make test-slow)."""
+FSDP-sharded (a bf16 base sharded, an NF4 base whole on every rank, its adapters sharded); an expert sent as an
+event sends a replica or a moved expert arrives holding the sender's stored bits.
+Each world's group is spawned once: one run_simulated call trains every case; the test checks how every case
+stores its base. The 3-rank world is marked slow (make test-slow)."""
 
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 from hf_tiny import changes, moe_run_settings, save_moe_run_files  # noqa: E402
 
 from dynmoe_dist.config import load_config  # noqa: E402
@@ -67,7 +69,51 @@ def train_case(root, out, world, extra):
         losses[record["step"]] = record["loss"]
         events += changes(new_events)
     kinds = stored_kinds(trainer.parts.model)
-    return {"losses": losses, "events": events, "test_loss": trainer.evaluate()["test_loss"], "kinds": kinds}
+    dense = dense_kinds(trainer.parts.model)
+    copied = replica_bits(trainer) if world > 1 else None
+    test_loss = trainer.evaluate()["test_loss"]
+    return {
+        "losses": losses,
+        "events": events,
+        "test_loss": test_loss,
+        "kinds": kinds,
+        "dense": dense,
+        "copied": copied,
+    }
+
+
+def replica_bits(trainer):
+    """Rank 0's first expert of MoE layer 0 sent to rank 1 as an event sends a replica or a moved expert
+    (parallel.migrate): the tensors that hold its parameters on each side (an NF4 weight's codes and scales)."""
+    from dynmoe_dist.moe.frozen_base import storage_tensors
+    from dynmoe_dist.parallel.migrate import recv_expert, send_expert
+
+    groups, layer, optimizer = trainer.groups, trainer.parts.experts.layers[0], trainer.parts.optimizer
+    if groups.rank == 0:
+        module = layer.experts.experts[0]
+        send_expert(module, optimizer, 1, groups)
+    elif groups.rank == 1:
+        module = recv_expert(layer.config, layer.router.weight, optimizer, 0, groups)
+    else:
+        return None
+    return [t.detach().clone() for p in module.parameters() for t in storage_tensors(p)]
+
+
+def dense_kinds(model):
+    """How every adapted projection holds its frozen weight and its adapters: sorted set of (weight kind, weight
+    sharded by FSDP, adapters sharded)."""
+    import torch.nn as nn
+
+    from dynmoe_dist.moe import nf4
+    from dynmoe_dist.parallel.fsdp import is_sharded, local
+
+    found = set()
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and hasattr(module, "lora_a"):
+            weight = module.weight
+            kind = "nf4" if nf4.is_nf4(weight) else str(local(weight).dtype).removeprefix("torch.")
+            found.add((kind, is_sharded(weight), is_sharded(module.lora_a)))
+    return sorted(found)
 
 
 def worker(root, world):
@@ -94,21 +140,31 @@ def assert_alike(got, want, what):
     assert got["events"] == want["events"], what
 
 
-def check_stored(results, name):
+def check_stored(results, name, world):
+    """Every expert's base as the case stores it; every adapted projection's too: a bf16 one sharded by FSDP with
+    its adapters, an NF4 one whole on every rank while its adapters are sharded."""
     kind = "bf16" if name.startswith("bfloat16") else "nf4"
     assert results["kinds"][kind] > 0 and sum(results["kinds"].values()) == results["kinds"][kind], (name, results)
+    fsdp = name.endswith("fsdp") and world > 1
+    dense = "bfloat16" if kind == "bf16" else "nf4"
+    assert results["dense"] == [(dense, fsdp and kind == "bf16", fsdp)], (name, world, results["dense"])
 
 
 def test_the_one_rank_runs_store_their_base_and_change_experts(reference):
     for name, results in reference.items():
-        check_stored(results, name)
+        check_stored(results, name, 1)
         removed = any(removed for _, _, removed, _, _ in results["events"])
         assert removed and any(added for *_, added, _ in results["events"]), (name, results["events"])
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # about 35 s and 60 s
 def test_more_ranks_train_like_one(root, reference, world):
-    for rank, results in enumerate(run_simulated(worker, world, args=(root, world), timeout_s=900)):
+    ranks = run_simulated(worker, world, args=(root, world), timeout_s=900)
+    for rank, results in enumerate(ranks):
         for name in CASES:
             assert_alike(results[name], reference[name], f"{name} world {world} rank {rank}")
-            check_stored(results[name], name)
+            check_stored(results[name], name, world)
+    for name in CASES:  # the copy holds the sender's stored bits (7 parameters; NF4 weights are 5 tensors each)
+        sent, received = (ranks[r][name]["copied"] for r in (0, 1))
+        assert len(sent) == len(received) == (7 if name.startswith("bfloat16") else 7 + 3 * 4), name
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(sent, received)), name

@@ -3,8 +3,8 @@ and routed experts): the frozen base is really held low-precision (bf16: every f
 and every expert weight; NF4: the adapted projections and the experts 4-bit, the embedding and head bf16) and
 nothing keeps a float copy of it, not the model, not the optimizer (state for the adapters only, in float32), not
 after adaptive events that add and remove experts (but for the one discarded expert an NF4 run remembers); frozen
-weights get no gradient. A bf16 base gives the adapter gradients of a float32 model whose base is the bf16-rounded
-weights; an NF4 run's forward equals a float run built from its dequantised base."""
+weights get no gradient and no gradient all-reduce. A bf16 base gives the adapter gradients of a float32 model
+whose base is the bf16-rounded weights; an NF4 run's forward equals a float run built from its dequantised base."""
 
 import gc
 import os
@@ -23,6 +23,7 @@ from dynmoe_dist.moe import MoEConfig, nf4  # noqa: E402
 from dynmoe_dist.moe.adapters import is_adapter  # noqa: E402
 from dynmoe_dist.moe.aux_collector import collect_aux_losses  # noqa: E402
 from dynmoe_dist.moe.layer import find_moe_layers  # noqa: E402
+from dynmoe_dist.parallel.grads import split_params  # noqa: E402
 
 pytest.importorskip("torchao")
 
@@ -94,6 +95,8 @@ def test_a_run_holds_its_base_low_precision_through_events(root, base_dtype):
     trainable = {n for n, p in params.items() if p.requires_grad}
     assert trainable and all(is_adapter(n) for n in trainable)
     assert {id(p) for p in optimizer.state} == {id(params[n]) for n in trainable}
+    synced = split_params(model, run.parts.experts.shards).all_params()  # what GradSync all-reduces
+    assert {id(p) for p in synced} == {id(params[n]) for n in trainable}
     for state in optimizer.state.values():
         assert all(v.dtype == torch.float32 for v in state.values() if v.dim() > 0)
     low = [p for p in stored.values() if kind(p) != "float"]
