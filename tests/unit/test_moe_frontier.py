@@ -128,18 +128,20 @@ def test_bad_input_is_one_line(tiny, capsys):
         assert len(err.strip().splitlines()) == 1 and re.search(message, err)
 
 
-def test_tiny_lora_shares_the_full_finetune_and_trains_adapters_only(tiny):
+def test_tiny_lora_shares_the_full_finetune_and_trains_adapters_only(tiny, capsys):
     from dynmoe_dist.experiments import moe_lora
 
     root, _ = tiny
     argv = ["--model", str(root / "model"), "--tiny", "--world-size", "1", "--seeds", "2", "--out", str(root / "out")]
     moe_lora.main(argv + ["--only", "native-k2", "native-k2-lora-r8"])
+    err = capsys.readouterr().err
+    assert err.count("native-k2 seed") == 2 and err.count("reusing the finished run") == 2  # the frontier's
     report = json.loads((root / "out" / "lora.json").read_text())
     full, lora = report["variants"]
     assert (full["variant"], lora["variant"]) == ("native-k2", "native-k2-lora-r8")
-    frontier = json.loads((root / "out" / "frontier.json").read_text())
-    same = next(v for v in frontier["variants"] if v["variant"] == "native-k2")
-    assert full["test_loss"] == same["test_loss"]  # the frontier's run, reused
+    for run in full["runs"]:  # the frontier's runs, reused
+        saved = json.loads((root / "out" / "runs" / "native-k2" / f"seed{run['seed']}" / "result.json").read_text())
+        assert run["test_loss"] == saved["test_loss"]
     assert lora["test_loss"]["mean"] != full["test_loss"]["mean"]
     for run in lora["runs"]:
         assert run["peak_mib"] > 0 and math.isfinite(run["test_loss"])
