@@ -218,7 +218,8 @@ def copy_expert(expert: nn.Module, config: MoEConfig) -> Expert:
     """A copy of ``expert``, bit for bit, a stored weight held as it is (no deepcopy: torchao re-quantises an NF4
     weight's deepcopy with other scale blocks)."""
     params = list(expert.parameters())
-    module = stored_new_expert(config, torch.empty((), dtype=run_dtype(params), device=params[0].device))
+    with torch.random.fork_rng(devices=[]):  # the template's random draw must not move the run's generator
+        module = stored_new_expert(config, torch.empty((), dtype=run_dtype(params), device=params[0].device))
     with torch.no_grad():
         for new, old in zip(module.parameters(), params):
             for into, value in zip(storage_tensors(new), storage_tensors(old)):

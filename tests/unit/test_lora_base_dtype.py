@@ -184,3 +184,23 @@ def test_bf16_base_adapter_gradients_are_the_rounded_float_models():
         torch.testing.assert_close(grad, ref_grads[name], rtol=1e-6, atol=1e-7, msg=name)
     for name in bf16:
         assert model.get_parameter(name).grad is None, name
+
+
+@pytest.mark.parametrize("base_dtype", ["bfloat16", "nf4"])
+def test_an_expert_copy_holds_the_stored_bits_and_leaves_the_generator(base_dtype):
+    """experts.copy_expert (an event's added expert placed on each holder): the stored weights' tensors equal bit for
+    bit (no re-quantising), adapters train, and the global generator is where it was (ranks copy different counts)."""
+    from dynmoe_dist.moe.experts import copy_expert, expert_param_shapes, stored_expert_with
+    from dynmoe_dist.moe.frozen_base import storage_tensors
+
+    config = MoEConfig(dim=16, ffn_dim=32, num_experts=2, adapter_rank=2, adapter_alpha=4.0, base_dtype=base_dtype)
+    torch.manual_seed(0)
+    params = [torch.randn(shape) for shape in expert_param_shapes(config)]
+    original = stored_expert_with(params, config)
+    state = torch.get_rng_state()
+    copy = copy_expert(original, config)
+    assert torch.equal(torch.get_rng_state(), state)
+    for old, new in zip(original.parameters(), copy.parameters()):
+        assert old.requires_grad == new.requires_grad and kind(old) == kind(new)
+        assert all(torch.equal(a, b) for a, b in zip(storage_tensors(old), storage_tensors(new)))
+    assert kind(copy.w_in) == ("bf16" if base_dtype == "bfloat16" else "nf4") and copy.lora_a_in.requires_grad
