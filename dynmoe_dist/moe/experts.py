@@ -30,7 +30,7 @@ from torch import Tensor
 from ..kernels.grouped_gemm import grouped_mm
 from .adapters import add_adapters, grouped_side_deltas, plus, side_deltas
 from .config import MoEConfig
-from .frozen_base import run_dtype, storage_tensors, store_expert
+from .frozen_base import run_dtype, storage_tensors, store_expert, stored_weights
 from .nf4 import holds_nf4
 
 # 'gelu_tanh' is GPT-2's gelu_new / HF's gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
@@ -225,6 +225,12 @@ def copy_expert(expert: nn.Module, config: MoEConfig) -> Expert:
             for into, value in zip(storage_tensors(new), storage_tensors(old)):
                 into.copy_(value)
     return module
+
+
+def stored_discarded(params: Sequence[Tensor], config: MoEConfig) -> List[Tensor]:
+    """A discarded expert's parameters (in ``parameters()`` order, kept for adaptive.expert_init =
+    'reuse_discarded'), its frozen weights stored as ``config.base_dtype`` says."""
+    return stored_weights(params, [name for name, _ in expert_param_specs(config)], config.base_dtype)
 
 
 def expert_from_named(named: Mapping[str, Tensor], config: MoEConfig, like: Tensor) -> Expert:

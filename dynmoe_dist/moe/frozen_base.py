@@ -99,8 +99,8 @@ def upcast_output(embedding: nn.Embedding, dtype: torch.dtype) -> None:
 
 def stored_weights(params: Sequence[Tensor], names: Sequence[str], base_dtype: str) -> List[Tensor]:
     """An expert's parameters as loose tensors (a discarded expert remembered for a later event), its frozen
-    weights rounded to bf16 under a bf16 base (exact: they came from bf16 weights). An NF4 base's stay in the
-    run's dtype: their dequantised values are no bf16 values and re-quantising them would round again."""
-    if base_dtype != "bfloat16":
+    weights (by ``names``, the parameters' names) stored as ``base_dtype`` says: no float copy of a low-precision
+    base is kept for it. (A bf16 one is exact: its values came from bf16 weights.)"""
+    if base_dtype == "run":
         return list(params)
-    return [p.to(torch.bfloat16) if name in EXPERT_WEIGHTS else p for p, name in zip(params, names)]
+    return [stored(p, base_dtype) if name in EXPERT_WEIGHTS else p for p, name in zip(params, names)]

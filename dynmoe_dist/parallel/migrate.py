@@ -29,12 +29,12 @@ from ..moe.experts import (
     Expert,
     copy_expert,
     expert_param_shapes,
-    expert_param_specs,
     new_expert,
+    stored_discarded,
     stored_expert_with,
     stored_new_expert,
 )
-from ..moe.frozen_base import storage_tensors, store_expert, stored_weights
+from ..moe.frozen_base import storage_tensors, store_expert
 from ..moe.layer import MoELayer
 from ..planning.placement import Placement
 from ..planning.planner import AddSpec, LayerPlan
@@ -191,8 +191,7 @@ def apply_layer_plan(
         combos.append(((lp.remember_discarded, 1.0),))
     combined = combine_experts(combos, shard, groups)
     if lp.remember_discarded is not None:
-        names = [name for name, _ in expert_param_specs(layer.config)]
-        discarded = stored_weights(combined.pop(), names, layer.config.base_dtype)
+        discarded = stored_discarded(combined.pop(), layer.config)
     received = _move_experts(lp, shard, local, optimizer, groups)
     added = _added_experts(lp.added, combined, discarded, layer.config, layer.router.weight)
     experts = []

@@ -25,6 +25,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ..moe.experts import stored_discarded
 from ..moe.layer import MoELayer
 from ..parallel.fsdp import Sharding, shard_experts, unshard_experts
 from ..parallel.groups import ParallelGroups
@@ -179,9 +180,13 @@ class ExpertSet:
         frozen = {key: e["frozen"] for key, e in payload.items() if "frozen" in e}
         self.reshard_from(self.resume_placements(state), params, frozen)
         self.load_optimizer_state({key: e["state"] for key, e in payload.items()})
-        self._discarded = [None if d is None else list(d) for d in state["discarded"]]
+        self._discarded = list(state["discarded"])
         if len(self._discarded) != len(self._shards):
             raise ValueError(f"saved discarded experts for {len(self._discarded)} layers, the model has {len(self)}")
+        self._discarded = [  # a low-precision base's as the run holds it (moe/frozen_base.py)
+            None if d is None else stored_discarded(list(d), layer.config)
+            for d, layer in zip(self._discarded, self.layers)
+        ]
         if "recipes" in state:
             self._recipes = [[recipe_from(r) for r in recipes] for recipes in state["recipes"]]
             self._discarded_recipes = [None if r is None else recipe_from(r) for r in state["discarded_recipes"]]
