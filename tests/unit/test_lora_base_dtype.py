@@ -2,9 +2,10 @@
 and routed experts): the frozen base is really held low-precision (bf16: every frozen linear and embedding weight
 and every expert weight; NF4: the adapted projections and the experts 4-bit, the embedding and head bf16) and
 nothing keeps a float copy of it, not the model, not the optimizer (state for the adapters only, in float32), not
-after adaptive events that add and remove experts (nor the discarded expert remembered for reuse); frozen
-weights get no gradient and no gradient all-reduce. A bf16 base gives the adapter gradients of a float32 model
-whose base is the bf16-rounded weights; an NF4 run's forward equals a float run built from its dequantised base."""
+after adaptive events that add and remove experts (nor the discarded expert remembered for reuse), and no stored
+weight outlives its expert; frozen weights get no gradient and no gradient all-reduce. A bf16 base gives the
+adapter gradients of a float32 model whose base is the bf16-rounded weights; an NF4 run's forward equals a float
+run built from its dequantised base."""
 
 import gc
 import os
@@ -79,6 +80,12 @@ def float_tensors_shaped_like(shapes, keep):
     return found
 
 
+def stored_tensors_shaped_like(shapes):
+    """Every live bf16 or NF4 tensor with a base weight's shape."""
+    gc.collect()
+    return [o for o in gc.get_objects() if torch.is_tensor(o) and kind(o) != "float" and tuple(o.shape) in shapes]
+
+
 @pytest.mark.parametrize("base_dtype", ["bfloat16", "nf4"])
 def test_a_run_holds_its_base_low_precision_through_events(root, base_dtype):
     run = trainer(root, base_dtype, *TOP_ANY)
@@ -109,6 +116,9 @@ def test_a_run_holds_its_base_low_precision_through_events(root, base_dtype):
     keep |= {id(p.grad) for p in params.values() if p.grad is not None}
     assert any(run.parts.experts.has_discarded)  # the expert each layer discarded last: stored too
     assert float_tensors_shaped_like(shapes, keep) == []
+    # and no stored weight outlives its expert (pruned, moved away, replaced by a copy): what is alive is what is held
+    held = len({id(p) for p in low}) + 3 * sum(run.parts.experts.has_discarded)  # + each discarded one's weights
+    assert len(stored_tensors_shaped_like(shapes)) == held
 
 
 def test_an_nf4_run_computes_the_float_run_of_its_dequantised_base(root):
