@@ -157,7 +157,16 @@ def _check_keys(section: str, values: Dict[str, Any]) -> None:
 
 # The model decides these for every MoE layer; accepting them here would silently do nothing. Key -> where
 # the value comes from, for the message.
-DERIVED_MOE_KEYS = ("dim", "ffn_dim", "swiglu_alpha", "swiglu_limit", "adapter_rank", "adapter_alpha", "base_dtype")
+DERIVED_MOE_KEYS = (
+    "dim",
+    "ffn_dim",
+    "swiglu_alpha",
+    "swiglu_limit",
+    "adapter_rank",
+    "adapter_alpha",
+    "base_dtype",
+    "added_experts",
+)
 _DERIVED_FROM = {
     "dim": "model.dim for built models, the pre-trained block for minilm-sentiment; set model.dim instead",
     "ffn_dim": "model.ffn_dim for built models, the pre-trained block for minilm-sentiment; set model.ffn_dim instead",
@@ -166,6 +175,7 @@ _DERIVED_FROM = {
     "adapter_rank": "LoRA's rank with 'routed_experts' among its targets (models/lora.py)",
     "adapter_alpha": "LoRA's alpha with 'routed_experts' among its targets (models/lora.py)",
     "base_dtype": "lora.base_dtype (models/lora.py)",
+    "added_experts": "lora.added_experts (models/lora.py)",
 }
 
 

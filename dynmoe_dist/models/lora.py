@@ -18,7 +18,6 @@ numbers.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Callable, Dict, List, Mapping, Sequence, Tuple, Union, cast
@@ -28,8 +27,8 @@ import torch.nn as nn
 from torch import Tensor
 
 from ..moe import frozen_base, nf4
-from ..moe.adapters import SIDES, drawn_a, has_adapters, is_adapter, lora_delta, scaling
-from ..moe.config import BASE_DTYPES, MoEConfig, _require
+from ..moe.adapters import SIDES, drawn_a, has_adapters, is_adapter, lora_delta, scaling, seeded_generator
+from ..moe.config import ADDED_EXPERTS, BASE_DTYPES, MoEConfig, _require
 from ..moe.experts import expert_key
 from ..moe.layer import MoELayer
 from .source import FillRows, HeldExperts
@@ -70,6 +69,13 @@ class LoraConfig:
     and embedding weights bf16). Computed in the run's dtype (each use widens or dequantises it), so adapters, a
     trainable router and the optimizer keep that dtype; norms, routers and biases stay in it. Under FSDP an NF4
     projection stays whole on every rank (its adapters sharded); NF4 experts cannot be FSDP-sharded."""
+    added_experts: str = "copy"
+    """What an expert an adaptive event adds is (with 'routed_experts' among the targets; without them the experts have
+    no adapters and an added expert trains in full): its frozen weights are always the combination of old experts
+    that adaptive.expert_init names; 'copy' gives it their adapters too (a seeded random expert, which has none to
+    copy, gets fresh ones as below), 'fresh_adapter' fresh adapters as PEFT starts them (A drawn from the event's
+    seed, B zero: the expert starts as its source's base), 'trainable' their adapters and trains its own weights
+    too (all saved in a LoRA checkpoint)."""
 
     def __post_init__(self) -> None:
         self.targets = tuple(self.targets)
@@ -81,6 +87,20 @@ class LoraConfig:
         _require(len(set(self.targets)) == len(self.targets), f"lora.targets ({list(self.targets)}) repeats a name")
         _require(self.router in ROUTER_MODES, f"lora.router ({self.router!r}) must be one of {ROUTER_MODES}")
         _require(self.base_dtype in BASE_DTYPES, f"lora.base_dtype ({self.base_dtype!r}) must be one of {BASE_DTYPES}")
+        _require(
+            self.added_experts in ADDED_EXPERTS,
+            f"lora.added_experts ({self.added_experts!r}) must be one of {ADDED_EXPERTS}",
+        )
+        _require(
+            self.added_experts != "fresh_adapter" or "routed_experts" in self.targets,
+            f"lora.added_experts ('fresh_adapter') needs 'routed_experts' in lora.targets ({list(self.targets)}): "
+            "without expert adapters an added expert trains in full",
+        )
+        _require(
+            self.added_experts != "trainable" or self.base_dtype == "run",
+            f"lora.added_experts ('trainable') needs lora.base_dtype 'run', got {self.base_dtype!r}: an added expert's "
+            "own weights would train in the stored (bfloat16 or NF4) base",
+        )
         if self.base_dtype == "nf4":
             nf4.check_backend()
 
@@ -91,7 +111,13 @@ def expert_config(moe: MoEConfig, lora: LoraConfig) -> MoEConfig:
     base_dtype = lora.base_dtype if lora.enabled else "run"
     if not lora.enabled or "routed_experts" not in lora.targets:
         return replace(moe, adapter_rank=0, adapter_alpha=0.0, base_dtype=base_dtype)
-    return replace(moe, adapter_rank=lora.rank, adapter_alpha=lora.alpha, base_dtype=base_dtype)
+    return replace(
+        moe,
+        adapter_rank=lora.rank,
+        adapter_alpha=lora.alpha,
+        base_dtype=base_dtype,
+        added_experts=lora.added_experts,
+    )
 
 
 def dense_targets(model: nn.Module) -> Dict[str, List[Tuple[str, nn.Linear]]]:
@@ -312,11 +338,11 @@ def init_adapters(model: nn.Module, seed: int, held: Sequence[HeldExperts], fill
     ``fill_rows`` writes a tensor's share (parallel.fsdp.fill_local for FSDP shards)."""
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and hasattr(module, "lora_a"):
-            _fill_adapter(module, ("lora_a", "lora_b"), _generator(seed, name), fill_rows)
+            _fill_adapter(module, ("lora_a", "lora_b"), seeded_generator(seed, name), fill_rows)
     for layer, logical_ids, modules in held:
         for expert, module in zip(logical_ids, modules):
             if has_adapters(module):
-                generator = _generator(seed, expert_key(layer, expert))
+                generator = seeded_generator(seed, expert_key(layer, expert))
                 for names in SIDES.values():
                     _fill_adapter(module, names, generator, fill_rows)
 
@@ -331,11 +357,6 @@ def _fill_adapter(module: nn.Module, names: Tuple[str, str], generator: torch.Ge
 
 def _rows(full: Tensor, start: int, stop: int) -> Tensor:
     return full[start:stop]
-
-
-def _generator(seed: int, name: str) -> torch.Generator:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
 def trainable_names(model: nn.Module) -> List[str]:

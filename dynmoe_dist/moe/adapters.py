@@ -15,6 +15,7 @@ state, replication, pruning, checkpoints by logical id) carries them with their 
 
 from __future__ import annotations
 
+import hashlib
 from typing import List, Optional, Sequence, cast
 
 import torch
@@ -54,6 +55,24 @@ def drawn_a(shape: torch.Size, generator: torch.Generator) -> Tensor:
     the dtype or which rank draws them)."""
     bound = 1.0 / shape[1] ** 0.5
     return torch.empty(shape, dtype=torch.float64).uniform_(-bound, bound, generator=generator)
+
+
+def seeded_generator(seed: int, name: str) -> torch.Generator:
+    """A generator that depends on ``seed`` and ``name`` alone (an adapter's module name, an expert's key, an added
+    expert's event seed), so every rank and world size draws the same numbers."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def redraw_adapters(expert: nn.Module, seed: int) -> None:
+    """PEFT's start for an expert an adaptive event adds: each side's A drawn (from ``seed``, the event's seed of
+    this expert), B zero, so its delta starts at zero and A and B both get a gradient."""
+    generator = seeded_generator(seed, "added expert adapters")
+    with torch.no_grad():
+        for a_name, b_name in SIDES.values():
+            a_rK, b_Nr = getattr(expert, a_name), getattr(expert, b_name)
+            a_rK.copy_(drawn_a(a_rK.shape, generator))
+            b_Nr.zero_()
 
 
 def scaling(module: nn.Module) -> float:

@@ -20,6 +20,7 @@ TRAIN_K0_MODES = ("zero", "top1")
 EVAL_K0_MODES = ("top1", "skip")
 COMBINE_MODES = ("equal", "softmax")
 EXPERT_COMPUTE = ("auto", "grouped_mm", "loop")
+ADDED_EXPERTS = ("copy", "fresh_adapter", "trainable")  # under LoRA: what an expert an adaptive event adds is
 BALANCE_RULES = ("off", "bias")
 
 # The baselines' losses; a top-any layer takes its moe.preset's (default_aux_losses below).
@@ -209,6 +210,9 @@ class MoEConfig:
     base_dtype: str = "run"
     """LoRA: how every expert's frozen weights are stored: 'run' (the run's dtype), 'bfloat16' or 'nf4'
     (moe/frozen_base.py); new, moved and rebuilt experts are stored so too. Set from the [lora] section."""
+    added_experts: str = "copy"
+    """LoRA: what an expert an adaptive event adds is ('copy', 'fresh_adapter' or 'trainable': the [lora] section's
+    added_experts, models/lora.py; moe/experts.py ``as_added``). Set from the [lora] section."""
     target_k: float = 0.0
     """Top-any compute budget: the mean experts per token (all tokens of all ranks) that a controller holds
     each layer at, by moving every threshold of the layer together after each step, out of the gradient
@@ -285,6 +289,10 @@ class MoEConfig:
             f"adapter_alpha ({self.adapter_alpha}) must be > 0 with adapter_rank {self.adapter_rank}",
         )
         _require(self.base_dtype in BASE_DTYPES, f"base_dtype ({self.base_dtype!r}) must be one of {BASE_DTYPES}")
+        _require(
+            self.added_experts in ADDED_EXPERTS,
+            f"added_experts ({self.added_experts!r}) must be one of {ADDED_EXPERTS}",
+        )
         _require(self.combine in COMBINE_MODES, f"combine ({self.combine!r}) must be one of {COMBINE_MODES}")
         _require(
             self.expert_compute in EXPERT_COMPUTE,

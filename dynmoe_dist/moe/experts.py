@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels.grouped_gemm import grouped_mm
-from .adapters import add_adapters, grouped_side_deltas, plus, side_deltas
+from .adapters import add_adapters, grouped_side_deltas, has_adapters, plus, redraw_adapters, side_deltas
 from .config import MoEConfig
 from .frozen_base import run_dtype, storage_tensors, store_expert, stored_weights
 from .nf4 import holds_nf4
@@ -186,11 +186,39 @@ def expert_param_shapes(config: MoEConfig) -> List[torch.Size]:
     return [shape for _, shape in expert_param_specs(config)]
 
 
-def expert_trainable_shapes(config: MoEConfig) -> List[torch.Size]:
-    """Shapes of the parameters of one expert that train (all of them, or only its adapters under LoRA), in
-    parameters() order: the gradients one expert has."""
+def added_expert_trains(config: MoEConfig) -> List[bool]:
+    """Which of an expert's parameters (in ``parameters()`` order) train once an adaptive event adds it: its adapters
+    under LoRA, every one with ``added_experts = 'trainable'`` or where the experts have no adapters."""
     with torch.device("meta"):
-        return [p.shape for p in new_expert(config).parameters() if p.requires_grad]
+        return [p.requires_grad or config.added_experts == "trainable" for p in new_expert(config).parameters()]
+
+
+def as_added(expert: Expert, config: MoEConfig, seed: int, copied_adapters: bool) -> Expert:
+    """``expert`` (the combination of old experts an adaptive event formed, adapters included where
+    ``copied_adapters``; else a seeded random one) made what ``config.added_experts`` says an added expert is: fresh
+    adapters (A drawn from the event's ``seed``, B zero) for 'fresh_adapter' and wherever none were copied (zero A
+    and B would never get a gradient), its own weights trainable for 'trainable'."""
+    if has_adapters(expert):
+        if config.added_experts == "fresh_adapter" or not copied_adapters:
+            redraw_adapters(expert, seed)
+        keep_trainability(expert, added_expert_trains(config))
+    return expert
+
+
+def keep_trainability(expert: nn.Module, trains: Sequence[bool]) -> None:
+    """Each parameter of ``expert`` trains as ``trains`` says (in ``parameters()`` order): a rebuilt expert (moved,
+    gathered, resumed) keeps what its original trained."""
+    for p, flag in zip(expert.parameters(), trains, strict=True):
+        p.requires_grad_(flag)
+
+
+def expert_gradient_slots(config: MoEConfig) -> List[bool]:
+    """Which of an expert's parameters (in parameters() order) may train: those a base expert trains (all of them,
+    or only its adapters under LoRA) and those an added one does. A replicated expert's gradient sum has a slot
+    for each (zeros where this expert does not train: parallel/grads.py), so every rank knows the layout."""
+    with torch.device("meta"):
+        params = list(new_expert(config).parameters())
+    return [p.requires_grad or added for p, added in zip(params, added_expert_trains(config))]
 
 
 def expert_with(params: Sequence[Tensor], config: MoEConfig) -> Expert:
@@ -216,7 +244,7 @@ def stored_new_expert(config: MoEConfig, like: Tensor) -> Expert:
 
 def copy_expert(expert: nn.Module, config: MoEConfig) -> Expert:
     """A copy of ``expert``, bit for bit, a stored weight held as it is (no deepcopy: torchao re-quantises an NF4
-    weight's deepcopy with other scale blocks)."""
+    weight's deepcopy with other scale blocks), each parameter as trainable as it was."""
     params = list(expert.parameters())
     with torch.random.fork_rng(devices=[]):  # the template's random draw must not move the run's generator
         module = stored_new_expert(config, torch.empty((), dtype=run_dtype(params), device=params[0].device))
@@ -224,6 +252,7 @@ def copy_expert(expert: nn.Module, config: MoEConfig) -> Expert:
         for new, old in zip(module.parameters(), params):
             for into, value in zip(storage_tensors(new), storage_tensors(old)):
                 into.copy_(value)
+    keep_trainability(module, [p.requires_grad for p in params])
     return module
 
 

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.optim import Optimizer
 
-from ..moe.experts import stored_expert_with
+from ..moe.experts import keep_trainability, stored_expert_with
 from .blocks import find_blocks
 from .groups import ParallelGroups, named
 from .shard import LayerShard
@@ -157,6 +157,7 @@ def unshard_experts(shards: Sequence[LayerShard], sharding: Sharding, optimizer:
         for module in shard.layer.experts.experts:
             params = list(module.parameters())
             plain = stored_expert_with([full(p.detach()) for p in params], shard.layer.config)
+            keep_trainability(plain, [p.requires_grad for p in params])
             for old, new in zip(params, plain.parameters()):
                 state = optimizer.state.pop(old, None)
                 if state:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
-from ..moe.experts import expert_trainable_shapes
+from ..moe.experts import expert_gradient_slots, expert_param_shapes
 from .fsdp import is_sharded, local
 from .groups import ParallelGroups, named, sum_over_ranks
 from .shard import LayerShard
@@ -69,30 +69,41 @@ class ParamSplit:
     experts: List[Tensor]
     """Parameters of experts with a single holder per ep group."""
     replicated: List[Tuple[LayerShard, int, List[Tensor]]]
-    """(shard, logical expert, params) of the replicated experts this rank holds."""
+    """(shard, logical expert, every parameter, frozen ones too) of the replicated experts this rank holds."""
 
     def all_params(self) -> List[Tensor]:
-        return self.dense + self.dense_fsdp + self.experts + [p for _, _, ps in self.replicated for p in ps]
+        """Every parameter that trains."""
+        replicated = [p for _, _, ps in self.replicated for p in ps if p.requires_grad]
+        return self.dense + self.dense_fsdp + self.experts + replicated
 
 
 def split_params(model: nn.Module, shards: Sequence[LayerShard]) -> ParamSplit:
     expert_ids = expert_param_ids(shards)
     dense = trainable(p for p in model.parameters() if id(p) not in expert_ids)
     experts: List[Tensor] = []
-    replicated = []
+    replicated: List[Tuple[LayerShard, int, List[Tensor]]] = []
     for shard in shards:
         for expert, module in shard.local_modules():
-            params = trainable(module.parameters())
-            if shard.is_replicated(expert):
-                replicated.append((shard, expert, params))
+            if shard.is_replicated(expert):  # every parameter: its gradient slots are the layer's (_slot_grads)
+                replicated.append((shard, expert, list(module.parameters())))
             else:
-                experts += params
+                experts += trainable(module.parameters())
     return ParamSplit([p for p in dense if not is_sharded(p)], [p for p in dense if is_sharded(p)], experts, replicated)
 
 
 def _grads(params: Sequence[Tensor]) -> List[Tensor]:
     """This rank's part of each gradient (the local shard of a sharded one)."""
     return [local(p.grad) for p in params if p.grad is not None]
+
+
+def _slot_grads(params: Sequence[Tensor], slots: Sequence[bool]) -> List[Tensor]:
+    """A replicated expert's part of the gradient sum (all its parameters, in order): its gradient in each of the
+    layer's slots, zeros where it does not train (a frozen base expert beside trainable added ones)."""
+    return [
+        local(p.grad) if p.grad is not None else torch.zeros_like(local(p.detach()))
+        for p, slot in zip(params, slots, strict=True)
+        if slot
+    ]
 
 
 class GradSync:
@@ -123,7 +134,10 @@ class GradSync:
         """One all-reduce over a buffer with a slot for every replicated expert of every layer (zeros
         where this rank holds none): over the world for plain experts (replicas and expert-dp copies at
         once); over the ep group for sharded ones, whose expert-dp sum FSDP has done."""
-        held_grads = {(shard.index, expert): _grads(params) for shard, expert, params in held}
+        held_grads = {
+            (shard.index, expert): _slot_grads(params, expert_gradient_slots(shard.layer.config))
+            for shard, expert, params in held
+        }
         buffers: List[Tensor] = []
         mine: Dict[int, List[Tensor]] = {}
         for shard in shards:
@@ -149,7 +163,8 @@ class GradSync:
 
     def _local_shapes(self, shard: LayerShard) -> List[torch.Size]:
         """Shapes of this rank's part of one expert's gradients (FSDP cuts dim 0 in expert-dp chunks)."""
-        shapes = expert_trainable_shapes(shard.layer.config)  # frozen weights (LoRA's base) have no gradient
+        slots = expert_gradient_slots(shard.layer.config)  # frozen weights (LoRA's base) have no gradient
+        shapes = [shape for shape, slot in zip(expert_param_shapes(shard.layer.config), slots) if slot]
         if not self.experts_sharded:
             return shapes
         size, index = self.groups.dp_size, self.groups.dp_rank

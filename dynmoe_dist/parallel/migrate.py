@@ -27,8 +27,10 @@ from ..moe.balance import start_added_experts
 from ..moe.config import MoEConfig
 from ..moe.experts import (
     Expert,
+    as_added,
     copy_expert,
     expert_param_shapes,
+    keep_trainability,
     new_expert,
     stored_discarded,
     stored_expert_with,
@@ -86,12 +88,17 @@ def random_expert(config: MoEConfig, seed: int, like: Tensor) -> Expert:
 # parameter, then every tensor's raw bytes in one buffer (bit-exact for any dtype). A message per tensor
 # (about 24 for an Adam-trained expert) made each move cost two dozen round trips, which on gloo is
 # milliseconds each: an event moving a few small experts took several training steps.
+HEADER = 3  # entries per parameter
+
+
 def _state_header(module: nn.Module, optimizer: Optimizer) -> List[int]:
-    """Per parameter: [has state, bit mask over STATE_KEYS of the moments present]."""
+    """Per parameter: [has state, bit mask over STATE_KEYS of the moments present, trains]. Whether it trains
+    travels: a frozen expert (LoRA without expert adapters, model.freeze) stays frozen where it lands, an
+    added expert that trains whole (lora.added_experts = 'trainable') keeps training."""
     header = []
     for p in module.parameters():
         state = optimizer.state.get(p, {})
-        header += [1 if state else 0, sum(1 << i for i, k in enumerate(STATE_KEYS) if k in state)]
+        header += [1 if state else 0, sum(1 << i for i, k in enumerate(STATE_KEYS) if k in state), int(p.requires_grad)]
     return header
 
 
@@ -103,7 +110,7 @@ def send_expert(module: nn.Module, optimizer: Optimizer, dst: int, groups: Paral
     like = next(module.parameters())
     header = _state_header(module, optimizer)
     pieces = []
-    for p, has_state, mask in zip(module.parameters(), header[0::2], header[1::2]):
+    for p, has_state, mask in zip(module.parameters(), header[0::HEADER], header[1::HEADER]):
         pieces += [_as_bytes(t) for t in storage_tensors(p)]  # a stored base travels as it is held
         if has_state:
             state = optimizer.state[p]
@@ -117,19 +124,20 @@ def send_expert(module: nn.Module, optimizer: Optimizer, dst: int, groups: Paral
 def recv_expert(config: MoEConfig, like: Tensor, optimizer: Optimizer, src: int, groups: ParallelGroups) -> Expert:
     module = stored_new_expert(config, like)  # its stored weights' tensors are overwritten with the sender's
     params = list(module.parameters())
-    header = torch.zeros(2 * len(params), dtype=torch.long, device=like.device)
+    header = torch.zeros(HEADER * len(params), dtype=torch.long, device=like.device)
     with named(f"expert receive from rank {src}", groups):
         dist.recv(header, src)
         flags = header.tolist()  # NOTE: device-to-host sync (the payload size), per moved expert at an event
         payload = torch.empty(_payload_bytes(params, flags), dtype=torch.uint8, device=like.device)
         dist.recv(payload, src)
     _unpack(payload, params, flags, optimizer)
+    keep_trainability(module, [bool(trains) for trains in flags[2::HEADER]])
     return module
 
 
 def _payload_bytes(params: Sequence[Tensor], flags: List[int]) -> int:
     total = 0
-    for p, has_state, mask in zip(params, flags[0::2], flags[1::2]):
+    for p, has_state, mask in zip(params, flags[0::HEADER], flags[1::HEADER]):
         moments = bin(mask).count("1") if has_state else 0
         total += sum(t.numel() * t.element_size() for t in storage_tensors(p))
         total += moments * p.numel() * p.element_size() + (8 if has_state else 0)
@@ -152,7 +160,7 @@ class _Reader:
 def _unpack(payload: Tensor, params: Sequence[Tensor], flags: List[int], optimizer: Optimizer) -> None:
     reader = _Reader(payload)
     with torch.no_grad():
-        for p, has_state, mask in zip(params, flags[0::2], flags[1::2]):
+        for p, has_state, mask in zip(params, flags[0::HEADER], flags[1::HEADER]):
             for t in storage_tensors(p):
                 t.copy_(reader.take(t.dtype, t.shape))
             if not has_state:
@@ -232,11 +240,12 @@ def _added_experts(
     experts = []
     for spec in specs:
         if spec.source == "experts":
-            experts.append(stored_expert_with(combined.pop(0), config))
+            expert, copied = stored_expert_with(combined.pop(0), config), True
         elif spec.source == "discarded" and discarded is not None:
-            experts.append(stored_expert_with(discarded, config))
+            expert, copied = stored_expert_with(discarded, config), True
         else:
-            experts.append(random_expert(config, spec.seed, like))
+            expert, copied = random_expert(config, spec.seed, like), False
+        experts.append(as_added(expert, config, spec.seed, copied))  # as lora.added_experts says
     return experts
 
 

@@ -17,6 +17,8 @@ expert's recipe is itself; an added expert's is the plan's combination of the ol
 A recipe of one term with coefficient 1 (a copy: every strategy but an average) rebuilds the weights bit for
 bit; a combination adds its terms in order, as the event did on one rank (on several ranks the event adds the
 same products in another order: equal within rounding, as the run itself is on another world size).
+An expert whose own weights train (one an event added with ``lora.added_experts = 'trainable'``, or any added
+expert where the experts have no adapters) is saved whole; its recipe is then not read.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch import Tensor
 
 from ..moe.adapters import is_adapter
 from ..moe.config import MoEConfig
-from ..moe.experts import expert_param_specs, new_expert
+from ..moe.experts import expert_param_specs
 from ..moe.layer import dense_state_tensors, find_moe_layers
 from ..parallel.migrate import random_expert
 from ..planning.planner import AddSpec, LayerPlan
@@ -72,13 +74,6 @@ def _added_recipe(spec: AddSpec, recipes: Sequence[Recipe], discarded: Optional[
     if spec.source == "discarded" and discarded is not None:
         return discarded
     return ((f"{RANDOM}/{spec.seed}", 1.0),)  # migrate's fallback too: no discarded expert to reuse
-
-
-def trains_when_added(config: MoEConfig) -> List[bool]:
-    """Which of an expert's parameters (in ``parameters()`` order) train once an event adds it (moe.experts'
-    ``new_expert``: under LoRA its adapters; every one where the experts have none)."""
-    with torch.device("meta"):
-        return [p.requires_grad for p in new_expert(config).parameters()]
 
 
 # -- in meta.pt: plain lists ------------------------------------------------------------------------------

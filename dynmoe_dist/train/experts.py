@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..moe.experts import stored_discarded
+from ..moe.experts import added_expert_trains, stored_discarded
 from ..moe.layer import MoELayer
 from ..parallel.fsdp import Sharding, shard_experts, unshard_experts
 from ..parallel.groups import ParallelGroups
@@ -41,7 +41,6 @@ from .checkpoint_base import (
     planned_recipes,
     recipe_entry,
     recipe_from,
-    trains_when_added,
 )
 from .optim import ExpertOptimizerState, refresh_param_groups
 
@@ -124,8 +123,9 @@ class ExpertSet:
         like every dense parameter's, come from the dense state loaded next."""
         self._shards = reshard(self._shards, placements, experts, self._groups)
         for key, params in local_expert_parameters(self._shards).items():
-            for name in (frozen or {}).get(key, ()):
-                params[name].requires_grad_(False)
+            if frozen is not None and key in frozen:  # what trained trains again (an added expert may train whole)
+                for name, p in params.items():
+                    p.requires_grad_(name not in frozen[key])
         self._commit()
 
     def _commit(self) -> None:
@@ -153,7 +153,7 @@ class ExpertSet:
         discarded = self._discarded[index]
         if discarded is None:
             return None
-        trains = trains_when_added(self._shards[index].layer.config)  # as a reused discarded expert would
+        trains = added_expert_trains(self._shards[index].layer.config)  # as a reused discarded expert would
         return [t.detach().cpu().clone() if keep or not trainable_only else None for t, keep in zip(discarded, trains)]
 
     def owned_tensors(self, trainable_only: bool = False) -> ExpertPayload:
