@@ -261,8 +261,11 @@ def rounded_base_experts(base: BaseExperts, lora: LoraConfig) -> BaseExperts:
 
 
 def replicated_base(model: nn.Module, lora: LoraConfig) -> List[nn.Parameter]:
-    """The frozen weights FSDP must leave whole on every rank: an NF4 weight is quantised once filled, from the
-    whole tensor (its scale mean is the tensor's), so it is never cut into FSDP shards; its adapters are."""
+    """The frozen weights FSDP must leave whole on every rank: the NF4 projections (their adapters are sharded).
+    An NF4 weight is quantised from the whole tensor (one scale mean per tensor, the same on every world size), but
+    a run fills each FSDP shard after fully_shard from its own rows; FSDP2 could only shard an NF4Tensor quantised
+    whole beforehand (torchao cuts its codes and scales by rows), which this order does not do. A bf16 base is
+    sharded like any weight."""
     if not lora.enabled or lora.base_dtype != "nf4":
         return []
     return [cast(nn.Parameter, linear.weight) for _, linear in adapted_linears(model)]
