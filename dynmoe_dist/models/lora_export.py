@@ -7,11 +7,13 @@ output weight from the output side), then removed, so the model is the plain mod
 
 Unmerged (``save_peft_adapter``): PEFT 0.21's adapter directory (adapter_config.json,
 adapter_model.safetensors) that ``PeftModel.from_pretrained(base, DIR)`` loads onto the base the run started
-from. PEFT itself lays it out: its LoraConfig (``target_modules`` the dense projections by their qualified
-names, ``target_parameters`` the fused experts) is applied to the base's skeleton on the meta device, each of
-its adapters is handed our numbers in its layout (a fused expert tensor's lora_A (r*E, in): expert e's rows
-e*r .. (e+1)*r; lora_B (out, r*E): expert e's column j at j*E + e) and PEFT's ``save_pretrained`` writes it.
-It applies only where the base's experts are the run's (``unmerged_refusal`` says why not otherwise).
+from. PEFT itself lays it out: its LoraConfig (``target_modules`` the attention projections by their qualified
+names; ``target_parameters`` the fused experts and the dense MLPs' and shared experts' weights) is applied to
+the base's skeleton on the meta device, each of its adapters is handed our numbers in its layout (a fused
+expert tensor's lora_A (r*E, in): expert e's rows e*r .. (e+1)*r; lora_B (out, r*E): expert e's column j at
+j*E + e, its rows in the order of the fused tensor's output features, ``gate_up_rows`` of the family) and
+PEFT's ``save_pretrained`` writes it. Every imported family (tests/unit/test_lora_export_families.py). It
+applies only where the base's experts are the run's (``unmerged_refusal`` says why not otherwise).
 
 Shape legend: r rank, K a projection's input features, N its output features, F expert hidden dim, E experts.
 """
@@ -30,9 +32,11 @@ from ..moe.layer import MoELayer
 from .lora import LoraConfig, dense_targets, moe_layers
 
 FUSED_PARAMETERS = {"in": "gate_up_proj", "out": "down_proj"}
-# Targets whose projections are called gate_proj / up_proj / down_proj: PEFT 0.21 maps those names in
-# target_modules onto an MoE's fused experts (transformers v4 -> v5), so it cannot adapt them as themselves.
+# Targets whose projections are called gate_proj / up_proj / down_proj: PEFT 0.21 reads those names in
+# target_modules as transformers v4's expert names and retargets them to the fused experts (rank doubled), so
+# they are named to it by their weights (target_parameters: a ParamWrapper of one "expert", the same delta).
 MLP_TARGETS = ("dense_mlp", "shared_experts")
+Adapter = Tuple[Tensor, Tensor]  # (lora_A, lora_B) in PEFT's layout
 
 
 def export_lora(
@@ -106,15 +110,12 @@ def _strip(module: nn.Module, names: Tuple[str, ...]) -> None:
 # -- unmerged ----------------------------------------------------------------------------------------------
 def unmerged_refusal(model: nn.Module, lora: LoraConfig, base_config) -> Optional[str]:
     """Why an unmerged adapter cannot apply to the base the run started from (its transformers config; None when
-    it can): experts upcycled from a dense base, a router converted to top-any, experts pruned or added, a family
-    whose fused layout is not checked against PEFT's (``peft_expert_layout``), dense MLP adapters PEFT cannot
-    name."""
+    it can): experts upcycled from a dense base, a router converted to top-any, experts pruned or added."""
     from .hf.families import family_of, is_family
 
     layers = moe_layers(model)
     converted = sorted({layer.config.router for layer in layers} - {"native"})
     counts = [len(layer.experts) for layer in layers]
-    unnameable = [target for target in lora.targets if target in MLP_TARGETS]
     family = family_of(base_config) if is_family(str(getattr(base_config, "model_type", ""))) else None
     base_num_experts = family.num_experts() if family is not None else 0
     if family is None:
@@ -123,26 +124,21 @@ def unmerged_refusal(model: nn.Module, lora: LoraConfig, base_config) -> Optiona
         why = f"its routers were converted to {converted[0]!r}, which the base's own routing does not compute"
     elif any(count != base_num_experts for count in counts):
         why = f"its MoE layers hold {counts} experts where the base has {base_num_experts} in each"
-    elif not family.peft_expert_layout:
-        why = f"its family ({family.name!r}) has no PEFT expert layout checked here"
-    elif unnameable:
-        why = (
-            f"lora.targets {unnameable} adapt gate_proj / up_proj / down_proj, which PEFT 0.21 reads on an MoE as "
-            "the fused experts' old names and retargets"
-        )
     else:
         return None
     return f"an unmerged adapter applies only to the unchanged base, and this run's model differs: {why}"
 
 
 def peft_config(model: nn.Module, lora: LoraConfig, base: str):
-    """PEFT's LoraConfig of the run's adapters: the dense projections by qualified name (a short name such as
-    gate_proj would also reach PEFT's fused experts), the fused expert tensors when experts are targeted."""
+    """PEFT's LoraConfig of the run's adapters: the attention projections by qualified name, the MLPs' weights
+    and the fused expert tensors as target_parameters (``peft_names``)."""
     from peft import LoraConfig as PeftLoraConfig
 
-    found = dense_targets(model)
-    modules = [name for target in lora.targets if target in found for name, _ in found[target]]
-    parameters = [f"experts.{FUSED_PARAMETERS[side]}" for side in SIDES] if "routed_experts" in lora.targets else []
+    names = list(peft_names(model, lora).values())
+    modules = [name for name in names if not name.endswith(".weight")]
+    parameters = [name for name in names if name.endswith(".weight")]
+    if "routed_experts" in lora.targets:
+        parameters += [f"experts.{FUSED_PARAMETERS[side]}" for side in SIDES]
     return PeftLoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,  # type: ignore[arg-type]  # PEFT annotates int, computes alpha / r in float
@@ -152,31 +148,43 @@ def peft_config(model: nn.Module, lora: LoraConfig, base: str):
     )
 
 
+def peft_names(model: nn.Module, lora: LoraConfig) -> Dict[str, str]:
+    """Qualified name of every adapted dense projection -> how PEFT names it: the module (attention), or its
+    weight (``MLP_TARGETS``, which PEFT would retarget by module name)."""
+    found = dense_targets(model)
+    return {
+        name: f"{name}.weight" if target in MLP_TARGETS else name
+        for target in lora.targets
+        if target in found
+        for name, _ in found[target]
+    }
+
+
 def save_peft_adapter(model: nn.Module, lora: LoraConfig, base: str, out: Path) -> Path:
     """``model``'s adapters as PEFT's adapter directory for the base at ``base`` (ValueError, one line, where
     ``unmerged_refusal`` says it cannot apply)."""
     from peft import get_peft_model
     from transformers import AutoConfig
 
-    from .hf.families import causal_lm_class
+    from .hf.families import family_of, new_causal_lm
 
     base_config = AutoConfig.from_pretrained(base, local_files_only=True)
     refusal = unmerged_refusal(model, lora, base_config)
     if refusal is not None:
         raise UnmergedRefused(refusal)
     with torch.device("meta"):
-        skeleton = causal_lm_class(base_config).from_config(base_config)
+        skeleton = new_causal_lm(base_config)
     peft = get_peft_model(skeleton, peft_config(model, lora, base))
-    _hand_over(peft, model)
+    _hand_over(peft, _adapters_by_peft_name(model, lora, family_of(base_config).gate_up_rows()))
     peft.save_pretrained(str(out))
     return out
 
 
-def _hand_over(peft: nn.Module, model: nn.Module) -> None:
-    """Every adapter PEFT made on the skeleton gets ours, in PEFT's layout; one PEFT made and we lack fails."""
+def _hand_over(peft: nn.Module, ours: Dict[str, Adapter]) -> None:
+    """Every adapter PEFT made on the skeleton gets ours (PEFT's name -> (lora_A, lora_B) in its layout); one PEFT
+    made and we lack fails."""
     from peft.tuners.lora.layer import LoraLayer, ParamWrapper
 
-    ours = _adapters_by_peft_module(model)
     for name, module in peft.named_modules():
         if not isinstance(module, LoraLayer):
             continue
@@ -189,9 +197,11 @@ def _hand_over(peft: nn.Module, model: nn.Module) -> None:
             getattr(module, part)["default"].weight = nn.Parameter(value.detach().clone(), requires_grad=False)
 
 
-def _adapters_by_peft_module(model: nn.Module) -> Dict[str, Tuple[Tensor, Tensor]]:
-    """PEFT's module (and, for fused experts, parameter) name -> (lora_A, lora_B) in PEFT's layout."""
-    adapters = {name: (m.lora_a, m.lora_b) for name, m in model.named_modules() if m in _adapted_linears(model)}
+def _adapters_by_peft_name(model: nn.Module, lora: LoraConfig, gate_up_rows: Tensor) -> Dict[str, Adapter]:
+    """PEFT's module (or parameter) name -> (lora_A, lora_B) in PEFT's layout; an expert's input-side B rows in
+    the fused tensor's order (``gate_up_rows``)."""
+    names = peft_names(model, lora)
+    adapters = {names[name]: (m.lora_a, m.lora_b) for name, m in model.named_modules() if name in names}
     prefixes = {id(m): name for name, m in model.named_modules() if isinstance(m, MoELayer)}
     for layer in moe_layers(model):
         experts = list(layer.experts.experts)
@@ -199,10 +209,11 @@ def _adapters_by_peft_module(model: nn.Module) -> Dict[str, Tuple[Tensor, Tensor
             continue
         block = _block_prefix(model, prefixes[id(layer)])
         for side, (a_name, b_name) in SIDES.items():
+            rows = gate_up_rows if side == "in" else slice(None)
             a_rK = torch.cat([getattr(e, a_name) for e in experts])  # (r*E, K)
-            b_NrE = torch.stack([getattr(e, b_name) for e in experts], -1).flatten(1)  # (N, r*E), column j*E + e
+            b_NrE = torch.stack([getattr(e, b_name)[rows] for e in experts], -1).flatten(1)  # (N, r*E): j*E + e
             adapters[f"{block}.experts.{FUSED_PARAMETERS[side]}"] = (a_rK, b_NrE)
-    return cast(Dict[str, Tuple[Tensor, Tensor]], adapters)
+    return cast(Dict[str, Adapter], adapters)
 
 
 def _block_prefix(model: nn.Module, layer_name: str) -> str:

@@ -31,9 +31,6 @@ from dynmoe_dist.moe.layer import find_moe_layers, rebuild_experts  # noqa: E402
 from dynmoe_dist.parallel.grads import fill_missing_grads  # noqa: E402
 
 LORA = LoraConfig(enabled=True, rank=4, alpha=8.0, targets=("attention", "dense_mlp", "routed_experts"))
-# PEFT 0.21 cannot name the dense first MLP (its gate_proj is read as the fused experts'): the unmerged export
-# adapts the rest.
-UNMERGED = LoraConfig(enabled=True, rank=4, alpha=8.0, targets=("attention", "routed_experts"))
 IDS = torch.randint(2, 64, (2, 7), generator=torch.Generator().manual_seed(7))
 
 
@@ -82,11 +79,6 @@ def run(tmp_path, request):
     return trained(tmp_path, request.param, LORA)
 
 
-@pytest.fixture(params=[torch.float32, torch.float64], ids=["float32", "float64"])
-def unmerged_run(tmp_path, request):
-    return trained(tmp_path, request.param, UNMERGED)
-
-
 def test_merged_export_loads_in_plain_transformers(run, tmp_path):
     base, model, expected = run
     assert (expected - logits(load(base))).abs().max() > 1e-3  # the adapters matter
@@ -97,18 +89,19 @@ def test_merged_export_loads_in_plain_transformers(run, tmp_path):
     assert_matches(logits(load(tmp_path / "merged")), expected, expected.dtype)
 
 
-def test_peft_adapter_loads_onto_the_base(unmerged_run, tmp_path):
+def test_peft_adapter_loads_onto_the_base(run, tmp_path):
     from peft import PeftModel, get_peft_model, get_peft_model_state_dict
     from safetensors.torch import load_file
 
-    base, model, expected = unmerged_run
-    out = save_peft_adapter(model, UNMERGED, str(base), tmp_path / "adapter")
+    base, model, expected = run
+    out = save_peft_adapter(model, LORA, str(base), tmp_path / "adapter")
     written = load_file(str(out / "adapter_model.safetensors"))
-    reference = get_peft_model_state_dict(get_peft_model(load(base), peft_config(model, UNMERGED, str(base))))
+    reference = get_peft_model_state_dict(get_peft_model(load(base), peft_config(model, LORA, str(base))))
     assert {k: v.shape for k, v in written.items()} == {k: v.shape for k, v in reference.items()}
     assert any(k.endswith("layers.1.mlp.experts.base_layer.lora_A.weight") for k in written)  # gate_up_proj
     assert any(k.endswith("layers.2.mlp.experts.lora_B.weight") for k in written)  # down_proj
     assert any(k.endswith("layers.0.self_attn.q_proj.lora_A.weight") for k in written)
+    assert any(k.endswith("layers.0.mlp.gate_proj.lora_B.weight") for k in written)  # the dense first MLP's weight
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(base) and config["r"] == 4 and config["lora_alpha"] == 8.0
     loaded = PeftModel.from_pretrained(load(base), str(out)).eval()
@@ -140,14 +133,8 @@ def test_a_pruned_run_is_refused_unmerged_and_written_merged(run, tmp_path):
     assert_matches(logits(merged), expected, expected.dtype)
 
 
-def test_dense_mlp_adapters_are_refused_unmerged(run, tmp_path):
+def test_export_lora_writes_the_adapter_when_asked_and_it_applies(run, tmp_path):
     base, model, _ = run
-    with pytest.raises(ValueError, match=r"unchanged base.*\['dense_mlp'\] adapt gate_proj .* PEFT 0.21"):
-        save_peft_adapter(model, LORA, str(base), tmp_path / "refused")
-
-
-def test_export_lora_writes_the_adapter_when_asked_and_it_applies(unmerged_run, tmp_path):
-    base, model, _ = unmerged_run
-    written, note = export_lora(model, UNMERGED, str(base), tmp_path / "out", unmerged=True, save_merged=save_stock)
+    written, note = export_lora(model, LORA, str(base), tmp_path / "out", unmerged=True, save_merged=save_stock)
     assert note is None and (written / "adapter_model.safetensors").is_file()
     assert not (written / "config.json").exists()  # the adapter alone, not the model

@@ -41,9 +41,6 @@ class MoEFamily(FamilyLayout):
     """transformers' causal LM class name, where AutoModelForCausalLM does not map the model type to it."""
     block_kind: ClassVar[str] = "routed"
     """What the sparse block adds around the routed experts: a key of families/blocks.py BLOCKS."""
-    peft_expert_layout: ClassVar[bool] = False
-    """Its experts' adapters written as PEFT 0.21's ``target_parameters`` adapter load onto the stock model
-    (models/lora_export.py: gate_up_proj (E, 2F, D) with the gate's rows first; checked by a test)."""
 
     @property
     def name(self) -> str:

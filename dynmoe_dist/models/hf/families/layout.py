@@ -134,6 +134,18 @@ class FamilyLayout:
     def fused_keys(self) -> List[str]:
         return list(self.fused_shapes(0))
 
+    def gate_up_rows(self) -> Tensor:
+        """For each output feature of the fused gate_up_proj, the row of an expert's input side it holds (w_gate's
+        rows 0..F then w_in's F..2F, the order of its adapter's B): how that adapter is laid out on the fused
+        tensor (PEFT's target_parameters). Read off ``expert_layout`` by placing the row numbers themselves."""
+        f, layout = self.ffn_dim(), self.expert_layout()
+        gate, up = layout["w_gate"], layout["w_in"]
+        fused = torch.zeros(self.fused_shapes(1)[gate.key], dtype=torch.long)
+        for s, first in ((gate, 0), (up, f)):
+            s.put(fused, 0, torch.arange(first, first + f).unsqueeze(1).expand_as(s.take(fused, 0)))
+        out_by_in = fused[0].t() if gate.transpose else fused[0]  # nn.Linear's (out, in)
+        return out_by_in[:, 0].clone()
+
     def router_keys(self) -> Dict[str, str]:
         """Native router tensor name -> its key relative to the block."""
         return dict(self.router_keys_in_block)

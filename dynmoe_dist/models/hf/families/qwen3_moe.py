@@ -6,4 +6,3 @@ from .qwen2_moe import QwenMoE
 class Qwen3MoE(QwenMoE):
     model_type = "qwen3_moe"
     num_experts_key = "num_local_experts"  # its config maps num_experts to this stored field
-    peft_expert_layout = True  # tests/unit/test_lora_export.py
