@@ -32,7 +32,7 @@ FSDP = ("parallel.dense_sharding='fsdp'",)
 CASES = {
     "bfloat16": ("lora.base_dtype='bfloat16'",),
     "bfloat16-fsdp": ("lora.base_dtype='bfloat16'", *FSDP),
-    "nf4": ("lora.base_dtype='nf4'",),
+    "nf4": ("lora.base_dtype='nf4'", "lora.added_experts='fresh_adapter'"),  # an added expert: fresh adapters
     "nf4-fsdp": ("lora.base_dtype='nf4'", *FSDP),
     # every expert on every ep rank (ep 1), FSDP-sharded over the world: a bf16 base gathered and re-sharded at events
     "bfloat16-fsdp-experts": ("lora.base_dtype='bfloat16'", "parallel.expert_sharding='fsdp'", "parallel.ep_size=1"),
