@@ -1,7 +1,7 @@
 """Expert-parallel MoE layer == single-process layer built from the same weights: outputs and
 gradients (input, router, every expert), float64, world sizes 1-4, E in {4, 5, 8}, every ep size,
 uneven tokens per rank (a rank with none), all-k=0 batches and replicated placements (also with LoRA adapters
-on frozen experts).
+on frozen experts, and with experts that train differently: some whole, some their adapters only or nothing).
 
 One simulated cluster per world size runs every case (process start-up dominates otherwise).
 """
@@ -45,6 +45,13 @@ def _cases(world):
         cases.append(dict(E=5, ep=world, router="top_any", seed=7, experts_per_rank=per_rank))
         # the same under LoRA: the experts' weights frozen, the replicas' adapter gradients summed
         cases.append(dict(E=5, ep=world, router="top_any", seed=8, experts_per_rank=per_rank, adapter_rank=2))
+        # experts of one layer that train differently: under lora.added_experts = 'trainable' an added expert trains
+        # whole beside experts that train their adapters only (the replicated one either); without expert adapters
+        # the base experts are frozen whole (the replicated one among them) beside added ones that train
+        lora = dict(E=5, ep=world, router="top_any", experts_per_rank=per_rank, adapter_rank=2, added="trainable")
+        cases.append(dict(lora, seed=9, whole=(0, 3)))
+        cases.append(dict(lora, seed=10, whole=(3,)))
+        cases.append(dict(E=5, ep=world, router="top_any", seed=11, experts_per_rank=per_rank, frozen=(0, 2)))
     return cases
 
 
@@ -59,10 +66,15 @@ def _layer(case):
         aux_losses=None if case["router"] != "top_any" else ("diverse", "simple", "load_balance", "efficiency"),
         adapter_rank=case.get("adapter_rank", 0),
         adapter_alpha=4.0 if case.get("adapter_rank") else 0.0,
+        added_experts=case.get("added", "copy"),
     )
     layer = MoELayer(cfg).double()
     for p in layer.experts.parameters():
         torch.nn.init.normal_(p, std=0.5)
+    for expert in case.get("whole", ()):
+        layer.experts.experts[expert].requires_grad_(True)
+    for expert in case.get("frozen", ()):
+        layer.experts.experts[expert].requires_grad_(False)
     if case.get("all_k0"):
         with torch.no_grad():
             layer.router.threshold.fill_(10.0)
