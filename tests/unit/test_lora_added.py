@@ -8,7 +8,8 @@ whose recipe names it) as it was at the event: its frozen weights equal the sour
 trainable too ('trainable'); a seeded random expert (expert_init 'random') gets A drawn from the event's seed even
 under 'copy' (zero A and B never got a gradient). In the two steps after it every parameter of it that trains gets
 a nonzero gradient (Adam's first moment), a trainable expert's own weights included. A run saved after step 4
-resumes with the uninterrupted run's losses exactly, its checkpoint holding a trainable added expert's weights."""
+resumes with the uninterrupted run's losses exactly, its checkpoint holding a trainable added expert's weights, and a
+float32 trainable run's merged export gives the run's logits (1e-6)."""
 
 import os
 
@@ -154,7 +155,7 @@ def test_every_parameter_of_it_that_trains_gets_a_gradient(case_run):
                 assert exp_avg is None, (case, name)
 
 
-@pytest.mark.parametrize("case", ["copy-random", "fresh_adapter", "trainable"])
+@pytest.mark.parametrize("case", list(CASES))
 def test_a_resume_after_the_event_is_exact(root, case, tmp_path):
     trainer, whole, events, checkpoint = train_saving(settings(root, case), tmp_path / "whole", STEPS, SAVE_AT)
     assert any(added for step, _, _, added, _ in events if step == EVENT), events
@@ -165,6 +166,29 @@ def test_a_resume_after_the_event_is_exact(root, case, tmp_path):
     assert all(resumed[step] == whole[step] for step in resumed), (resumed, whole)
     trains = [[(n, p.requires_grad) for n, p in t.model.named_parameters()] for t in (trainer, resumed_trainer)]
     assert trains[0] == trains[1]
+
+
+def test_a_float32_export_of_a_trainable_run_gives_its_logits(root, tmp_path):
+    """The export merges each expert from what the checkpoint saved: a trainable added expert's own trained weights
+    (not its recipe's base), its adapters folded in."""
+    from transformers import AutoModelForCausalLM
+
+    from dynmoe_dist.export import export
+    from dynmoe_dist.moe.aux_collector import collect_aux_losses
+
+    run_settings = [*settings(root, "trainable"), "train.precision='float32'"]
+    trainer, _, events, checkpoint = train_saving(run_settings, tmp_path / "run", SAVE_AT, SAVE_AT)
+    assert any(added for *_, added, _ in events), events
+    export(checkpoint, tmp_path / "out", progress=False)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True, dtype=torch.float32)
+    ids = torch.randint(2, 8, (2, 7), generator=torch.Generator().manual_seed(3))
+    logits = []
+    for model in (merged, trainer.model):
+        model.eval()
+        with torch.no_grad(), collect_aux_losses():
+            logits.append(model(input_ids=ids).logits)
+    scale = float(logits[1].abs().max())  # merging rounds W + (alpha/r) B A once
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-6 * scale)
 
 
 def test_a_bad_value_is_one_line():
