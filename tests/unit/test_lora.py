@@ -1,10 +1,10 @@
 """LoRA (models/lora.py, moe/adapters.py): the [lora] options' one-line errors, a frozen base that gets no
 gradient and no optimizer state, expert adapters that move and go with their expert, the grouped-matmul
-path equal to the loop, and the whole model exactly PEFT's: the tiny Qwen3-MoE, DeepSeek-V3 (shared experts
-run, frozen) and gpt-oss (biases, gate and up interleaved) with PEFT 0.21's LoRA (``target_modules`` for the
-attention projections, ``target_parameters`` for the fused experts) and ours on the same weights and
-adapters, float64: logits, loss and every adapter gradient to 1e-10, the adapters after three AdamW steps
-to 1e-9.
+path equal to the loop, and the whole model exactly PEFT's: the tiny Qwen3-MoE (its dense first MLP adapted),
+DeepSeek-V3 (the dense first MLP and the shared experts adapted) and gpt-oss (biases, gate and up interleaved)
+with PEFT 0.21's LoRA (``target_modules`` for the attention projections, ``target_parameters`` for the fused
+experts and the MLPs' weights) and ours on the same weights and adapters, float64: logits, loss and every
+adapter gradient to 1e-10, the adapters after three AdamW steps to 1e-9.
 """
 
 import copy
@@ -41,11 +41,14 @@ from dynmoe_dist.planning.stats import WindowStats  # noqa: E402
 from dynmoe_dist.train.optim import build_optimizer  # noqa: E402
 
 RANK, ALPHA = 4, 8.0
-# Attention only: PEFT 0.21 reads gate_proj / up_proj / down_proj in target_modules as transformers v4's expert
-# names and retargets them to the fused experts (rank doubled), so a dense MLP or a shared expert cannot be named
-# to it; ours are the same hook as the attention's.
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 FUSED = ["experts.gate_up_proj", "experts.down_proj"]
+# PEFT 0.21 reads gate_proj / up_proj / down_proj in target_modules as transformers v4's expert names and retargets
+# them to the fused experts (rank doubled): a dense MLP or a shared expert is named to it by its weights
+# (target_parameters, a ParamWrapper of one "expert"), as the unmerged export does.
+MLP_WEIGHTS = [
+    f"{block}.{proj}.weight" for block in ("mlp", "shared_experts") for proj in ("gate_proj", "up_proj", "down_proj")
+]
 TRAIN = SimpleNamespace(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.1)
 
 
@@ -184,7 +187,8 @@ def peft_model(ref, target_modules):
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    config = PeftLoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=target_modules, target_parameters=FUSED)
+    parameters = FUSED + MLP_WEIGHTS  # the MLP weights match only where our targets put adapters (PEFT_CASES)
+    config = PeftLoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=target_modules, target_parameters=parameters)
     return get_peft_model(ref, config)
 
 
@@ -194,12 +198,14 @@ def peft_pairs(peft, model, interleaved):
 
     ours_by_name = dict(model.named_parameters())
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
-    sparse = sorted(
-        {int(re.search(r"layers\.(\d+)\.", n).group(1)) for n, m in peft.named_modules() if isinstance(m, ParamWrapper)}
-    )
+    sparse = sorted({int(re.search(r"layers\.(\d+)\.", n).group(1)) for n, m in peft.named_modules() if _fused(m)})
     pairs = []
     for name, module in peft.named_modules():
-        if isinstance(module, ParamWrapper):
+        if isinstance(module, ParamWrapper) and module.parameter_name == "weight":  # a dense MLP's projection
+            own = name.replace("base_model.model.", "", 1)
+            pairs.append((module.lora_A["default"].weight, _dense(ours_by_name[f"{own}.lora_a"])))
+            pairs.append((module.lora_B["default"].weight, _dense(ours_by_name[f"{own}.lora_b"])))
+        elif isinstance(module, ParamWrapper):
             experts = layers[sparse.index(int(re.search(r"layers\.(\d+)\.", name).group(1)))].experts.experts
             side = "in" if module.parameter_name == "gate_up_proj" else "out"
             pairs.append((module.lora_A["default"].weight, _fused_a(experts, side)))
@@ -209,6 +215,12 @@ def peft_pairs(peft, model, interleaved):
             pairs.append((module.lora_A["default"].weight, _dense(ours_by_name[f"{own}.lora_a"])))
             pairs.append((module.lora_B["default"].weight, _dense(ours_by_name[f"{own}.lora_b"])))
     return pairs
+
+
+def _fused(module):
+    from peft.tuners.lora.layer import ParamWrapper
+
+    return isinstance(module, ParamWrapper) and module.parameter_name != "weight"
 
 
 def _dense(param):
@@ -241,8 +253,11 @@ def loss_of(model, ids):
 
 # family -> (our targets, PEFT's target_modules for the same projections)
 PEFT_CASES = {
-    "qwen3_moe": (("attention", "routed_experts"), ATTENTION),
-    "deepseek_v3": (("attention", "routed_experts"), ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]),
+    "qwen3_moe": (("attention", "dense_mlp", "routed_experts"), ATTENTION),
+    "deepseek_v3": (
+        ("attention", "dense_mlp", "routed_experts", "shared_experts"),
+        ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+    ),
     "gpt_oss": (("attention", "routed_experts"), ATTENTION),
 }
 
