@@ -42,6 +42,9 @@ TARGETS = {
 }
 ROUTER_MODES = ("frozen", "trainable")
 _SHARED = (".shared_experts.", ".shared_expert.")
+# Qwen2-MoE's shared_expert_gate, a (1, D) projection scaling the shared expert: a gate of the sparse block, as
+# its router is, not a dense MLP (under 'dense_mlp' it took a rank-1 adapter, and any rank above 1 was refused)
+_GATES = (".shared_expert_gate.",)
 # (MoE layer, base expert) -> its weights by parameter name (models.source's base_expert)
 BaseExperts = Callable[[int, int], Mapping[str, Tensor]]
 
@@ -127,6 +130,8 @@ def dense_targets(model: nn.Module) -> Dict[str, List[Tuple[str, nn.Linear]]]:
         if not isinstance(module, nn.Linear):
             continue
         dotted = f".{name}."
+        if any(gate in dotted for gate in _GATES):
+            continue
         if ".self_attn." in dotted:
             found["attention"].append((name, module))
         elif any(s in dotted for s in _SHARED):

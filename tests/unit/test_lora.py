@@ -84,6 +84,12 @@ def test_a_target_that_names_nothing_lists_what_exists():
         ours(LoraConfig(enabled=True, targets=("attention", "shared_experts")))
 
 
+def test_the_shared_expert_gate_is_no_dense_mlp():
+    """Qwen2-MoE's shared_expert_gate (1, D) scales the shared expert, as a router scales the routed ones."""
+    with pytest.raises(ValueError, match=r"\('dense_mlp'\) names nothing.*it has: attention, routed_experts, shared_"):
+        ours(LoraConfig(enabled=True, rank=RANK, targets=("dense_mlp",)), family="qwen2_moe")
+
+
 def test_a_rank_above_a_targets_smallest_dimension():
     # k_proj is (8, 16): one key/value head of 8
     with pytest.raises(ValueError, match=r"lora.rank \(9\) is above the smallest dimension of .*k_proj \(8, 16\)"):

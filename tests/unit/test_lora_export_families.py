@@ -36,12 +36,9 @@ IDS = torch.randint(2, 64, (2, 7), generator=torch.Generator().manual_seed(7))
 
 
 def targets_of(model):
-    """Every target the family has: a dense MLP only where a decoder layer has one (Qwen2-MoE's shared expert
-    gate, a (1, D) projection, is no MLP to adapt at rank 2)."""
+    """Every target the family has (a dense MLP where a decoder layer is dense, shared experts where it has them)."""
     found = dense_targets(model)
-    dense_mlp = any(name.endswith("gate_proj") for name, _ in found["dense_mlp"])
-    shared = bool(found["shared_experts"])
-    return ("attention", "routed_experts") + ("shared_experts",) * shared + ("dense_mlp",) * dense_mlp
+    return ("attention", "routed_experts", *(target for target in ("dense_mlp", "shared_experts") if found[target]))
 
 
 def logits(model):
