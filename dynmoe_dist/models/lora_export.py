@@ -12,7 +12,7 @@ names; ``target_parameters`` the fused experts and the dense MLPs' and shared ex
 the base's skeleton on the meta device, each of its adapters is handed our numbers in its layout (a fused
 expert tensor's lora_A (r*E, in): expert e's rows e*r .. (e+1)*r; lora_B (out, r*E): expert e's column j at
 j*E + e, its rows in the order of the fused tensor's output features, ``gate_up_rows`` of the family) and
-PEFT's ``save_pretrained`` writes it. Every imported family (tests/unit/test_lora_export_families.py). It
+PEFT's ``save_pretrained`` writes it. Every imported family (tests/unit/test_lora_export.py). It
 applies only where the base's experts are the run's (``unmerged_refusal`` says why not otherwise).
 
 Shape legend: r rank, K a projection's input features, N its output features, F expert hidden dim, E experts.

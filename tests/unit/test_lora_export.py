@@ -3,7 +3,11 @@ attention, the dense first MLP and every routed expert, float32: merged and writ
 transformers loads it and its logits are the run's (1e-6); as a PEFT adapter directory, PEFT's own
 ``PeftModel.from_pretrained`` loads it onto the base and its logits are the run's (1e-5), its keys and shapes
 exactly PEFT's for the same config on the same base; a pruned run's unmerged export is refused in one line and
-the merged model is written instead.
+the merged model is written instead. And every imported family (tests/hf_tiny.py MOE_FAMILIES), float32, trained
+two steps with adapters on the attention, the routed experts, and the shared experts and dense MLPs where it has
+them: PEFT loads its adapter with the run's logits (1e-5). gpt-oss checks the interleaved gate / up rows of its
+fused experts, DeepSeek-V3 / GLM-4.5 / Mistral 4 the shared experts and the dense first layer, Qwen2-MoE and
+Qwen3.5-MoE the shared expert.
 """
 
 import copy
@@ -14,11 +18,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hf_tiny import NUM_EXPERTS, randomize, tiny_model  # noqa: E402
+from hf_tiny import MOE_FAMILIES, NUM_EXPERTS, randomize, tiny_model  # noqa: E402
 
+from dynmoe_dist.models.hf.families import causal_lm_class  # noqa: E402
 from dynmoe_dist.models.hf.moe_import import import_moe  # noqa: E402
 from dynmoe_dist.models.hf.stock_layout import save_stock  # noqa: E402
-from dynmoe_dist.models.lora import LoraConfig, apply_lora, expert_config, held_experts, init_adapters  # noqa: E402
+from dynmoe_dist.models.lora import (  # noqa: E402
+    LoraConfig,
+    apply_lora,
+    dense_targets,
+    expert_config,
+    held_experts,
+    init_adapters,
+)
 from dynmoe_dist.models.lora_export import (  # noqa: E402
     export_lora,
     merge_adapters,
@@ -52,25 +64,31 @@ def assert_matches(got, expected, dtype):
     torch.testing.assert_close(got, expected, rtol=0, atol=atol)
 
 
-def trained(directory, dtype, lora):
-    """(base directory, the run's model after three AdamW steps with ``lora``, its logits)."""
-    ref = randomize(tiny_model("qwen3_moe", experts_implementation="eager")).to(dtype)
-    base = directory / "base"
-    ref.save_pretrained(str(base))
+def adapted(ref, lora, steps):
+    """The run's model: ``ref`` imported with native routing and ``lora``, ``steps`` AdamW steps (B leaves zero:
+    every adapter changes the logits); in eval mode."""
     model = import_moe(copy.deepcopy(ref), expert_config(MoEConfig(router="native"), lora))
     apply_lora(model, lora)
     init_adapters(model, 0, held_experts(model))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=3e-2)
     g = torch.Generator().manual_seed(1)
-    for _ in range(3):  # B leaves zero: every adapter changes the logits
+    for _ in range(steps):
         ids = torch.randint(2, 64, (2, 7), generator=g)
         with collect_aux_losses():
-            model(input_ids=ids, labels=ids).loss.backward()
+            model.train()(input_ids=ids, labels=ids).loss.backward()
         fill_missing_grads(trainable)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    model.eval()
+    return model.eval()
+
+
+def trained(directory, dtype, lora):
+    """(base directory, the run's model after three AdamW steps with ``lora``, its logits)."""
+    ref = randomize(tiny_model("qwen3_moe", experts_implementation="eager")).to(dtype)
+    base = directory / "base"
+    ref.save_pretrained(str(base))
+    model = adapted(ref, lora, 3)
     return base, model, logits(model)
 
 
@@ -138,3 +156,30 @@ def test_export_lora_writes_the_adapter_when_asked_and_it_applies(run, tmp_path)
     written, note = export_lora(model, LORA, str(base), tmp_path / "out", unmerged=True, save_merged=save_stock)
     assert note is None and (written / "adapter_model.safetensors").is_file()
     assert not (written / "config.json").exists()  # the adapter alone, not the model
+
+
+# -- every family -----------------------------------------------------------------------------------------
+def targets_of(model):
+    """Every target the family has (a dense MLP where a decoder layer is dense, shared experts where it has them)."""
+    found = dense_targets(model)
+    return ("attention", "routed_experts", *(target for target in ("dense_mlp", "shared_experts") if found[target]))
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)  # about a second each: all in the default suite
+def test_peft_loads_the_adapter_of_every_family(family, tmp_path):
+    from peft import PeftModel
+
+    ref = randomize(tiny_model(family, experts_implementation="eager")).float()
+    ref.save_pretrained(str(tmp_path / "base"))
+    probe = import_moe(copy.deepcopy(ref), MoEConfig(router="native"))
+    lora = LoraConfig(enabled=True, rank=2, alpha=4.0, targets=targets_of(probe))
+    model = adapted(ref, lora, 2)
+    expected = logits(model)
+
+    out = save_peft_adapter(model, lora, str(tmp_path / "base"), tmp_path / "adapter")
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert {"experts.gate_up_proj", "experts.down_proj"} <= set(config["target_parameters"])
+    base = causal_lm_class(ref.config).from_pretrained(str(tmp_path / "base"), experts_implementation="eager")
+    assert (logits(base) - expected).abs().max() > 1e-3  # the adapters matter
+    loaded = PeftModel.from_pretrained(base, str(out))
+    torch.testing.assert_close(logits(loaded), expected, rtol=0, atol=1e-5)
