@@ -1,8 +1,9 @@
 """``python -m dynmoe_dist.export`` of a LoRA run (lora.enabled) trained through the Trainer on the tiny Qwen3-MoE
 (float64): by default merged in the stock format, which plain transformers loads with the run's logits; with
 ``--adapter`` a PEFT adapter directory PEFT loads onto the base with the run's logits (a run whose experts did
-not change); a top-any run (routers converted) gets a one-line note and the merged remote-code model; an
-adapter against a base whose content changed is a one-line error."""
+not change; also DeepSeek-V3 with every target, its dense first MLP and shared experts, and gpt-oss); a top-any
+run (routers converted) gets a one-line note and the merged remote-code model; an adapter against a base whose
+content changed is a one-line error."""
 
 import json
 import os
@@ -11,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hf_tiny import NUM_EXPERTS, moe_run_settings, save_moe_run_files  # noqa: E402
+from hf_tiny import NUM_EXPERTS, moe_run_settings, save_moe_checkpoint, save_moe_run_files  # noqa: E402
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.export import main  # noqa: E402
@@ -22,12 +23,12 @@ TOP_ANY = ("moe.router='top_any'", "moe.calibrate_k=1", "moe.calibrate_samples=1
 LORA = ("lora.enabled=true", "lora.rank=2", "lora.alpha=4.0", "lora.targets=['attention', 'routed_experts']")
 
 
-def trained(root, name, *extra):
-    """(the Trainer after 4 steps, its checkpoint) of a LoRA run on the base at root/base."""
+def trained(root, name, *extra, base=BASE):
+    """(the Trainer after 4 steps, its checkpoint) of a LoRA run on the base at root/``base``."""
     from dynmoe_dist.train.loop import Trainer
     from dynmoe_dist.train.run import run
 
-    settings = moe_run_settings(root / BASE, root / "corpus.txt", 1, *LORA, *extra, steps=4, batch=7)
+    settings = moe_run_settings(root / base, root / "corpus.txt", 1, *LORA, *extra, steps=4, batch=7)
     config = load_config(None, [*settings, f"output.out_dir='{root / name}'"])
     trainer = Trainer(config)
     run(config, trainer)
@@ -81,6 +82,27 @@ def test_adapter_loads_onto_the_base(root, steady, tmp_path, capsys):
     printed, err = export_cli(checkpoint, tmp_path / "adapter", "--adapter", capsys=capsys)
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(printed["files"]) and "note:" not in err
     loaded = PeftModel.from_pretrained(load(root / BASE), str(tmp_path / "adapter"))
+    torch.testing.assert_close(logits(loaded), logits(trainer.model), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "family, targets, adapted",
+    [
+        ("deepseek_v3", "['attention', 'dense_mlp', 'routed_experts', 'shared_experts']", "shared_experts.up_proj"),
+        ("gpt_oss", "['attention', 'routed_experts']", "experts.gate_up_proj"),  # gate and up interleaved
+    ],
+)
+def test_the_adapter_of_another_family_loads_onto_its_base(root, family, targets, adapted, tmp_path, capsys):
+    from peft import PeftModel
+
+    save_moe_checkpoint(family, root / family)
+    trainer, checkpoint = trained(root, family, "adaptive.enabled=false", f"lora.targets={targets}", base=family)
+    printed, err = export_cli(checkpoint, tmp_path / "adapter", "--adapter", capsys=capsys)
+    assert "adapter_model.safetensors" in printed["files"] and "note:" not in err
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert any(adapted in name for name in config["target_parameters"])
+    loaded = PeftModel.from_pretrained(load(root / family), str(tmp_path / "adapter"))
+    assert (logits(loaded) - logits(load(root / family))).abs().max() > 1e-4  # the adapters trained
     torch.testing.assert_close(logits(loaded), logits(trainer.model), rtol=0, atol=1e-10)
 
 
