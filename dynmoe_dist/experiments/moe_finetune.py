@@ -228,10 +228,19 @@ def choose_combine(step0_by_seed: Dict[int, Dict[str, Any]]) -> str:
 
 
 def finished(config: RunConfig) -> bool:
-    """The run directory holds a finished run of exactly this config (config.toml is written last)."""
+    """The run directory holds a finished run of exactly this config (config.toml is written last). The saved
+    file is compared as this code reads it, so a run finished before an option was added (and so is missing
+    its line, at its default) is still found."""
     folder = Path(config.output.out_dir)
     saved = folder / CONFIG_FILE
-    return saved.is_file() and saved.read_text() == config.to_toml() and (folder / RESULT_FILE).is_file()
+    if not (saved.is_file() and (folder / RESULT_FILE).is_file()):
+        return False
+    if saved.read_text() == config.to_toml():
+        return True
+    try:
+        return load_config(str(saved)) == config
+    except ValueError:  # an option this code no longer has, or a value it refuses: not this config
+        return False
 
 
 def finish(plan: Plan, result: FinetuneResult, folder: Path) -> FinetuneResult:

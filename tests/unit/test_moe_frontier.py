@@ -149,3 +149,25 @@ def test_tiny_lora_shares_the_full_finetune_and_trains_adapters_only(tiny, capsy
     assert "rank = 8" in config and "alpha = 16.0" in config and "lr = 0.002" in config
     md = (root / "out" / "lora.md").read_text()
     assert "| native: LoRA r 8 | " in md and "| native: full finetune | " in md
+
+
+def test_a_run_saved_before_an_option_existed_is_still_found_finished(tiny):
+    """config.toml of an older version lacks the lines of options added since (at their defaults)."""
+    from dynmoe_dist.experiments.moe_finetune import finished
+
+    root, argv = tiny
+    plan, chosen = moe_frontier.make_plan(
+        moe_frontier.parser("moe-frontier", "").parse_args(argv), moe_frontier.variants()
+    )
+    config = moe_frontier.run_config(plan, next(v for v in chosen if v.name == "native-k2"), 0)
+    saved = root / "out" / "runs" / "native-k2" / "seed0" / "config.toml"
+    text = saved.read_text()
+    assert finished(config) and "added_experts = " in text
+    try:
+        saved.write_text("".join(line for line in text.splitlines(True) if not line.startswith("added_experts")))
+        assert finished(config)
+        saved.write_text(text.replace("max_len = 16", "max_len = 17"))  # another config: not this run
+        assert "max_len = 16" in text
+        assert not finished(config)
+    finally:
+        saved.write_text(text)
