@@ -7,7 +7,9 @@ two full finetunes below are the frontier's own runs, reused when finished), per
   lora-r8         LoRA rank 8 (alpha 16) on the attention projections and every routed expert, the rest frozen
   lora-r32        rank 32 (alpha 64)
   qlora-r8        rank 8 with the frozen base stored NF4 (lora.base_dtype = 'nf4')
-for the native top-2 routing and top-any at target k 2 with pruning (routers frozen: LoRA's default). Held-out
+for the native top-2 routing and top-any at target k 2 with pruning (routers frozen: LoRA's default); and, to
+choose what an expert added under LoRA is (lora.added_experts: 'copy', 'fresh_adapter', 'trainable'), top-any
+LoRA r 8 with DynMoE's full events (removals and adds). Held-out
 loss with its spread and interval, paired differences against the full finetune, and each run's peak memory
 (the largest rank's resident memory above what the process held before the model was built). Writes
 OUT/lora.json and OUT/lora.md.
@@ -18,9 +20,9 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .moe_frontier import Variant, run_command, variants
+from .moe_frontier import PRUNING_ONLY, Variant, run_command, variants
 from .moe_markdown import finite
 from .moe_report import VariantRow, paired_loss
 
@@ -39,6 +41,21 @@ FULL = {"native": "native-k2", "top-any": "top-any-2"}
 """The full finetune of each routing: moe-frontier's variant (the same config, so the same run folder)."""
 
 
+ADDED_EXPERTS = ("copy", "fresh_adapter", "trainable")
+"""lora.added_experts, compared on top-any runs whose adaptive events add experts (issue 30 item 3)."""
+
+
+def lora_overrides(rank: int, base: str) -> Tuple[str, ...]:
+    return (
+        "lora.enabled=true",
+        f"lora.rank={rank}",
+        f"lora.alpha={2 * rank}",
+        f"lora.targets={LORA_TARGETS}",
+        f"lora.base_dtype='{base}'",
+        f"train.lr={LORA_LR}",
+    )
+
+
 def lora_variants() -> List[Variant]:
     frontier = {v.name: v for v in variants()}
     found: List[Variant] = []
@@ -46,24 +63,27 @@ def lora_variants() -> List[Variant]:
         full = frontier[full_name]
         found.append(replace(full, label=f"{routing}: full finetune", family=f"{routing}:full"))
         for tag, label, rank, base in ADAPTERS:
-            lora = (
-                "lora.enabled=true",
-                f"lora.rank={rank}",
-                f"lora.alpha={2 * rank}",
-                f"lora.targets={LORA_TARGETS}",
-                f"lora.base_dtype='{base}'",
-                f"train.lr={LORA_LR}",
-            )
+            name, overrides = f"{full_name}-{tag}", full.overrides + lora_overrides(rank, base)
             found.append(
-                replace(
-                    full,
-                    name=f"{full_name}-{tag}",
-                    label=f"{routing}: {label}",
-                    family=f"{routing}:{tag}",
-                    overrides=full.overrides + lora,
-                )
+                replace(full, name=name, label=f"{routing}: {label}", family=f"{routing}:{tag}", overrides=overrides)
             )
-    return found
+    return found + added_expert_variants(frontier[FULL["top-any"]])
+
+
+def added_expert_variants(top_any: Variant) -> List[Variant]:
+    """Top-any LoRA r 8 with DynMoE's full events (removals and adds; the budget places an added expert's
+    threshold), once per lora.added_experts."""
+    with_adds = tuple(o for o in top_any.overrides if o not in PRUNING_ONLY) + lora_overrides(8, "run")
+    return [
+        replace(
+            top_any,
+            name=f"{top_any.name}-adds-lora-r8-{added}",
+            label=f"top-any: LoRA r 8, adds, added_experts '{added}'",
+            family=f"top-any:adds-{added}",
+            overrides=with_adds + (f"lora.added_experts='{added}'",),
+        )
+        for added in ADDED_EXPERTS
+    ]
 
 
 def full_of(row: VariantRow, rows: Sequence[VariantRow], families: Dict[str, str]) -> Optional[VariantRow]:
@@ -73,8 +93,9 @@ def full_of(row: VariantRow, rows: Sequence[VariantRow], families: Dict[str, str
 
 def lora_table(rows: Sequence[VariantRow], families: Dict[str, str]) -> str:
     lines = [
-        "| run | held-out loss | 95 % CI | vs full finetune (paired) | p | peak MiB | eval k | experts (end) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | held-out loss | 95 % CI | vs full finetune (paired) | p | peak MiB | eval k | experts (end) "
+        "| removed / added |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         full = full_of(row, rows, families)
@@ -84,7 +105,8 @@ def lora_table(rows: Sequence[VariantRow], families: Dict[str, str]) -> str:
         experts = "/".join(f"{n:g}" if float(n).is_integer() else f"{n:.1f}" for n in row.experts_end)
         lines.append(
             f"| {row.label} | {row.test_loss.cell(4)} | {row.test_loss.interval(4)} | {diff} | {p} "
-            f"| {row.peak_mib.cell(0)} | {row.eval_k.cell(2)} | {experts} |"
+            f"| {row.peak_mib.cell(0)} | {row.eval_k.cell(2)} | {experts} "
+            f"| {row.removed.cell(1)} / {row.added.cell(1)} |"
         )
     return "\n".join(lines)
 

@@ -103,7 +103,12 @@ def _state_header(module: nn.Module, optimizer: Optimizer) -> List[int]:
 
 
 def _as_bytes(t: Tensor) -> Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    """``t``'s elements as bytes, in a fresh flat tensor: a tensor torch counts as contiguous may still have a
+    stride other than 1 in a size-1 dimension (an NF4 weight of one scaler block holds its factor as (1,) with
+    stride (8,)), which a byte view refuses."""
+    flat = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+    flat.copy_(t.detach().reshape(-1))
+    return flat.view(torch.uint8)
 
 
 def send_expert(module: nn.Module, optimizer: Optimizer, dst: int, groups: ParallelGroups) -> None:

@@ -212,3 +212,19 @@ def test_an_expert_copy_holds_the_stored_bits_and_leaves_the_generator(base_dtyp
         assert old.requires_grad == new.requires_grad and kind(old) == kind(new)
         assert all(torch.equal(a, b) for a, b in zip(storage_tensors(old), storage_tensors(new)))
     assert kind(copy.w_in) == ("bf16" if base_dtype == "bfloat16" else "nf4") and copy.lora_a_in.requires_grad
+
+
+@pytest.mark.parametrize("shape", [(16, 32), (32, 32), (512, 256)])
+def test_every_tensor_of_a_stored_base_travels_as_bytes(shape):
+    """parallel.migrate sends a stored base as the bytes of its inner tensors; a small NF4 weight (one scaler
+    block) holds its quantisation factor as (1,) with stride (8,), which a plain byte view refuses."""
+    import torch
+
+    from dynmoe_dist.moe.frozen_base import storage_tensors
+    from dynmoe_dist.moe.nf4 import to_nf4
+    from dynmoe_dist.parallel.migrate import _as_bytes
+
+    for t in storage_tensors(to_nf4(torch.randn(*shape))):
+        raw = _as_bytes(t)
+        assert raw.dtype == torch.uint8 and raw.numel() == t.numel() * t.element_size()
+        assert torch.equal(raw.view(t.dtype).reshape(t.shape), t)
