@@ -3,8 +3,10 @@ markdown and the figure. Pure (numpy, matplotlib's Agg canvas): tested on hand-m
 
 The verdict (issue 31): **top-any pays at a budget if its held-out loss there is below the line joining the
 baselines' best points around it, by more than the seeds' spread.** The baselines' best points are those no
-other baseline beats on both axes (lower or equal expert FLOPs and lower or equal loss); the line joins the
-nearest such point at or below top-any's FLOPs and the nearest at or above, and is read at top-any's FLOPs.
+other baseline beats on both axes (lower or equal expert FLOPs and lower or equal loss) and that lie on the
+lower convex hull of the baselines (a point above the segment joining two others is beaten by mixing them); the
+line joins the nearest such point at or below top-any's FLOPs and the nearest at or above, and is read at
+top-any's FLOPs.
 "By more than the seeds' spread": the gap exceeds top-any's seed std plus the line's (the two end points'
 stds interpolated the same way). A budget outside the baselines' FLOPs range is reported, not judged.
 """
@@ -52,10 +54,23 @@ def points(rows: Sequence[VariantRow], families: Dict[str, str]) -> List[Point]:
 
 
 def best_baselines(found: Sequence[Point]) -> List[Point]:
-    """The baseline points no other baseline beats on both FLOPs and loss, by increasing FLOPs."""
+    """The baselines' best points, by increasing FLOPs: those no other baseline beats on both FLOPs and loss,
+    and that lie on the lower convex hull of them all. A point above the segment joining two others is beaten
+    by mixing those two (serving a share of the tokens with each), so the line through it would flatter
+    top-any."""
     base = [p for p in found if p.family in BASELINES]
-    best = [p for p in base if not any(_beats(q, p) for q in base)]
-    return sorted(best, key=lambda p: p.flops)
+    undominated = sorted((p for p in base if not any(_beats(q, p) for q in base)), key=lambda p: (p.flops, p.loss))
+    hull: List[Point] = []
+    for p in undominated:
+        while len(hull) >= 2 and not _below(hull[-2], hull[-1], p):
+            hull.pop()
+        hull.append(p)
+    return hull
+
+
+def _below(a: Point, b: Point, c: Point) -> bool:
+    """b lies strictly below the segment from a to c (a, b, c by increasing FLOPs)."""
+    return (b.flops - a.flops) * (c.loss - a.loss) - (b.loss - a.loss) * (c.flops - a.flops) > 0
 
 
 def _beats(q: Point, p: Point) -> bool:

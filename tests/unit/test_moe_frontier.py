@@ -19,12 +19,16 @@ def test_the_baselines_best_points_are_those_no_other_beats_on_both_axes():
     found = [
         point("k1", "native", 0.5, 5.0),
         point("k2", "native", 1.0, 4.8),
-        point("p-low", "top_p", 0.9, 4.95),  # beaten by nothing: cheaper than k2, better than k1
+        point("p-low", "top_p", 0.8, 4.85),  # beaten by nothing: cheaper than k2, better than k1
         point("p-bad", "top_p", 1.2, 4.9),  # k2 is cheaper and better
         point("k3", "native", 1.5, 4.81),  # more FLOPs for more loss than k2: beaten
         point("any", "top_any", 0.7, 4.0),  # not a baseline: never on the line
     ]
     assert [p.name for p in best_baselines(found)] == ["k1", "p-low", "k2"]
+    # beaten by no single baseline, but above the segment p-low - k2 (4.825 at 0.9): mixing those two beats it
+    above = [*found, point("p-mid", "top_p", 0.9, 4.83)]
+    assert [p.name for p in best_baselines(above)] == ["k1", "p-low", "k2"]
+    assert [p.name for p in best_baselines([*found[:2], found[3], point("p-hi", "top_p", 0.9, 4.95)])] == ["k1", "k2"]
 
 
 def test_top_any_pays_only_below_the_line_by_more_than_the_spread():
