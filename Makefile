@@ -73,7 +73,9 @@ moe-results: moe-pretrain
 
 # Issue 31's frontier (docs/results.md, "Loss against expert FLOPs"): the same pre-trained model finetuned
 # with native top-1/2/3, top-p at three masses, top-any at five target k (pruning, no adds) and the two
-# balance rules of top-k 2, 3 seeds each: 39 runs of 1.5-2.5 min. Writes $(MOE_FRONTIER)/frontier.{md,json,png}.
+# balance rules of top-k 2, 3 seeds each: 39 one-epoch runs in one process, about 1.5 min each on 2 quiet
+# cores (an hour; `--seed-list S` runs one seed, and three such commands side by side finish sooner).
+# Writes $(MOE_FRONTIER)/frontier.{md,json,png}; docs/results.md "Loss against expert FLOPs".
 moe-frontier: moe-pretrain
 	sh launcher/loopback.sh $(PY) -m dynmoe_dist.experiments moe-frontier --model $(MOE_PRETRAIN) --out $(MOE_FRONTIER)
 
