@@ -30,7 +30,7 @@ from torch import Tensor
 from ..kernels.grouped_gemm import grouped_mm
 from .adapters import add_adapters, grouped_side_deltas, has_adapters, plus, redraw_adapters, side_deltas
 from .config import MoEConfig
-from .frozen_base import run_dtype, storage_tensors, store_expert, stored_weights
+from .frozen_base import linear_of, run_dtype, storage_tensors, store_expert, stored_weights
 from .nf4 import holds_nf4
 
 # 'gelu_tanh' is GPT-2's gelu_new / HF's gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
@@ -56,9 +56,8 @@ class FeedForward(nn.Module):
         self.b_out = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def forward(self, rows_RD: Tensor) -> Tensor:
-        dtype = rows_RD.dtype
         (delta_RF,) = side_deltas(self, "in", rows_RD)
-        hidden_RF = plus(F.linear(rows_RD, self.w_in.to(dtype), _cast(self.b_in, dtype)), delta_RF)
+        hidden_RF = plus(linear_of(rows_RD, self.w_in, self.b_in), delta_RF)
         hidden_RF = ACTIVATION_FNS[self.activation](hidden_RF)
         return _linear_out(self, hidden_RF)
 
@@ -80,10 +79,9 @@ class GatedFeedForward(nn.Module):
         self.b_out = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def forward(self, rows_RD: Tensor) -> Tensor:
-        dtype = rows_RD.dtype
         gate_delta_RF, up_delta_RF = side_deltas(self, "in", rows_RD, parts=2)
-        gate_RF = plus(F.linear(rows_RD, self.w_gate.to(dtype), _cast(self.b_gate, dtype)), gate_delta_RF)
-        up_RF = plus(F.linear(rows_RD, self.w_in.to(dtype), _cast(self.b_in, dtype)), up_delta_RF)
+        gate_RF = plus(linear_of(rows_RD, self.w_gate, self.b_gate), gate_delta_RF)
+        up_RF = plus(linear_of(rows_RD, self.w_in, self.b_in), up_delta_RF)
         hidden_RF = ACTIVATION_FNS[self.activation](gate_RF) * up_RF
         return _linear_out(self, hidden_RF)
 
@@ -117,10 +115,9 @@ class GptOssFeedForward(nn.Module):
         self.b_out = nn.Parameter(torch.zeros(dim))
 
     def forward(self, rows_RD: Tensor) -> Tensor:
-        dtype = rows_RD.dtype
         gate_delta_RF, up_delta_RF = side_deltas(self, "in", rows_RD, parts=2)
-        gate_RF = plus(F.linear(rows_RD, self.w_gate.to(dtype), self.b_gate.to(dtype)), gate_delta_RF)
-        up_RF = plus(F.linear(rows_RD, self.w_in.to(dtype), self.b_in.to(dtype)), up_delta_RF)
+        gate_RF = plus(linear_of(rows_RD, self.w_gate, self.b_gate), gate_delta_RF)
+        up_RF = plus(linear_of(rows_RD, self.w_in, self.b_in), up_delta_RF)
         hidden_RF = clamped_swiglu(gate_RF, up_RF, self.alpha, self.limit)
         return _linear_out(self, hidden_RF)
 
@@ -133,15 +130,10 @@ EXPERT_CLASSES: Dict[str, Union[Type[FeedForward], Type[GatedFeedForward], Type[
 }
 
 
-def _cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
-    return None if t is None else t.to(dtype)
-
-
 def _linear_out(expert: Expert, hidden_RF: Tensor) -> Tensor:
     """The output projection of any expert kind, its adapter's delta added."""
-    dtype = hidden_RF.dtype
     (delta_RD,) = side_deltas(expert, "out", hidden_RF)
-    return plus(F.linear(hidden_RF, expert.w_out.to(dtype), _cast(expert.b_out, dtype)), delta_RD)
+    return plus(linear_of(hidden_RF, expert.w_out, expert.b_out), delta_RD)
 
 
 def new_expert(config: MoEConfig) -> Expert:

@@ -19,7 +19,7 @@ and the receiver's copy is the sender's bit for bit.
 from __future__ import annotations
 
 from functools import reduce
-from typing import List, Sequence, cast
+from typing import Any, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.nn as nn
@@ -88,8 +88,34 @@ def upcast_forward(linear: nn.Linear) -> None:
 
 
 def _upcast_linear(linear: nn.Linear, x: Tensor) -> Tensor:
-    bias = None if linear.bias is None else linear.bias.to(x.dtype)
-    return F.linear(x, linear.weight.to(x.dtype), bias)
+    return linear_of(x, linear.weight, linear.bias)
+
+
+def linear_of(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """F.linear(x, weight, bias) in x's dtype. A frozen stored weight (bf16, NF4) is widened for the matmul and
+    widened again in the backward, not kept wide for it: F.linear on ``weight.to(x.dtype)`` would keep every
+    layer's widened copy alive until the backward, and so hold the whole base in the run's dtype during a step
+    (what ``bench lora`` measured: a bf16 base's step peaked higher than a float32 one's)."""
+    b = None if bias is None else bias.to(x.dtype)
+    if weight.requires_grad or not is_stored(weight):
+        return F.linear(x, weight.to(x.dtype), b)
+    out = cast(Tensor, _FrozenStoredMatmul.apply(x, weight))  # type: ignore[no-untyped-call]
+    return out if b is None else out + b
+
+
+class _FrozenStoredMatmul(torch.autograd.Function):
+    """x @ widen(W)^T for a frozen stored W: the backward needs W for x's gradient and widens it again (torchao's
+    ``linear_nf4`` does the same for NF4); W gets no gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:
+        ctx.weight = weight  # the stored tensor itself (frozen: nothing changes it before the backward)
+        return F.linear(x, weight.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], None]:
+        grad_x = grad_out @ ctx.weight.to(grad_out.dtype) if ctx.needs_input_grad[0] else None
+        return grad_x, None
 
 
 def upcast_output(embedding: nn.Embedding, dtype: torch.dtype) -> None:

@@ -228,3 +228,26 @@ def test_every_tensor_of_a_stored_base_travels_as_bytes(shape):
         raw = _as_bytes(t)
         assert raw.dtype == torch.uint8 and raw.numel() == t.numel() * t.element_size()
         assert torch.equal(raw.view(t.dtype).reshape(t.shape), t)
+
+
+@pytest.mark.parametrize("base_dtype", ["bfloat16", "nf4"])
+def test_a_step_keeps_no_widened_copy_of_a_stored_weight_for_the_backward(base_dtype):
+    """moe/frozen_base.linear_of widens a stored weight for the matmul and again in the backward: autograd saves
+    no float32 tensor of a weight's shape (else the whole base is held in float32 during a step), and the input's
+    gradient equals F.linear's on the widened weight."""
+    import torch
+    import torch.nn.functional as F
+
+    from dynmoe_dist.moe.frozen_base import linear_of, stored
+
+    weight = stored(torch.randn(64, 32), base_dtype)
+    x = torch.randn(5, 32, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = linear_of(x, weight)
+    assert not [t for t in saved if t.dtype == torch.float32 and t.shape in ((64, 32), (32, 64))]
+    (grad,) = torch.autograd.grad(out.square().sum(), x)
+    wide = weight.to(torch.float32)
+    x_ref = x.detach().clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(F.linear(x_ref, wide).square().sum(), x_ref)
+    assert torch.equal(out, F.linear(x.detach(), wide)) and torch.allclose(grad, want, rtol=1e-6, atol=1e-6)
