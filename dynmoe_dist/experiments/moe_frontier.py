@@ -225,7 +225,9 @@ def make_plan(args, every: Sequence[Variant]) -> Tuple[Plan, List[Variant]]:
 Writer = Callable[[Path, Dict[str, Any], str, Dict[str, Any]], Dict[str, Path]]
 
 
-def run_command(argv: Optional[Sequence[str]], prog: str, doc: str, every: Sequence[Variant], write: Writer):
+def run_cli(
+    argv: Optional[Sequence[str]], prog: str, doc: str, every: Sequence[Variant], write: Writer
+) -> Dict[str, Any]:
     """The CLI of moe-frontier and moe-lora: parse, plan (usage errors in one line), run, write, print."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser(prog, doc.split("\n\n")[0]).parse_args(argv)
@@ -246,4 +248,4 @@ def run_command(argv: Optional[Sequence[str]], prog: str, doc: str, every: Seque
 def main(argv: Optional[Sequence[str]] = None, prog: str = "moe-frontier") -> Dict[str, Any]:
     from .frontier_report import write_outputs
 
-    return run_command(argv, prog, __doc__ or "", variants(), write_outputs)
+    return run_cli(argv, prog, __doc__ or "", variants(), write_outputs)

@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .moe_frontier import PRUNING_ONLY, Variant, run_command, variants
+from .moe_frontier import PRUNING_ONLY, Variant, run_cli, variants
 from .moe_markdown import finite
 from .moe_report import VariantRow, paired_loss
 
@@ -130,4 +130,4 @@ def write_outputs(out: Path, outcome: Dict[str, Any], command: str, model_info: 
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "moe-lora") -> Dict[str, Any]:
-    return run_command(argv, prog, __doc__ or "", lora_variants(), write_outputs)
+    return run_cli(argv, prog, __doc__ or "", lora_variants(), write_outputs)
