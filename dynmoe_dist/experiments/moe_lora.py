@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .frontier_report import experts_text
 from .moe_frontier import PRUNING_ONLY, Variant, run_cli, variants
 from .moe_markdown import finite
 from .moe_report import VariantRow, paired_loss
@@ -102,7 +103,7 @@ def lora_table(rows: Sequence[VariantRow], families: Dict[str, str]) -> str:
         paired = None if full is None or full is row else paired_loss(row, full)
         diff = "-" if paired is None else f"{paired.mean_diff:+.4f} [{paired.ci_low:+.4f}, {paired.ci_high:+.4f}]"
         p = "-" if paired is None else f"{paired.p_value:.3f}"
-        experts = "/".join(f"{n:g}" if float(n).is_integer() else f"{n:.1f}" for n in row.experts_end)
+        experts = experts_text(row.experts_end)
         lines.append(
             f"| {row.label} | {row.test_loss.cell(4)} | {row.test_loss.interval(4)} | {diff} | {p} "
             f"| {row.peak_mib.cell(0)} | {row.eval_k.cell(2)} | {experts} "
