@@ -125,10 +125,6 @@ def verdicts(found: Sequence[Point]) -> List[Verdict]:
 # Markdown
 
 
-def _cell(mean: float, std: float, digits: int = 3) -> str:
-    return "-" if math.isnan(mean) else f"{mean:.{digits}f} ± {std:.{digits}f}"
-
-
 def experts_text(per_layer: Sequence[float]) -> str:
     """Experts per layer as '16/12.7/15/16' (means over seeds: a whole number without decimals)."""
     return "/".join(f"{n:g}" if float(n).is_integer() else f"{n:.1f}" for n in per_layer)
@@ -143,8 +139,8 @@ def rows_table(rows: Sequence[VariantRow], families: Dict[str, str]) -> str:
     for r in sorted(rows, key=lambda r: (families[r.variant] == "balance", r.flops_ratio.mean)):
         experts = experts_text(r.experts_end)
         lines.append(
-            f"| {r.label} | {families[r.variant]} | {_cell(r.eval_k.mean, r.eval_k.std, 2)} "
-            f"| {_cell(r.flops_ratio.mean, r.flops_ratio.std)} | {r.test_loss.cell(4)} | {r.test_loss.interval(4)} "
+            f"| {r.label} | {families[r.variant]} | {r.eval_k.cell(2)} "
+            f"| {r.flops_ratio.cell(3)} | {r.test_loss.cell(4)} | {r.test_loss.interval(4)} "
             f"| {experts} | {r.removed.cell(1)} | {r.load_cv.cell(3)} |"
         )
     return "\n".join(lines)
