@@ -1,5 +1,6 @@
-"""`python -m dynmoe_dist.bench lora [--tiny] [--steps N] [--out FILE] [sizes]`: peak memory per rank and step
-time of LoRA and QLoRA against a full finetune of the same imported MoE, and our LoRA against PEFT's.
+"""`python -m dynmoe_dist.bench lora [--tiny] [--steps N] [--activation-checkpointing none|block|both] [--out FILE]
+[sizes]`: peak memory per rank and step time of LoRA and QLoRA against a full finetune of the same imported MoE, and
+our LoRA against PEFT's, every side under the same activation checkpointing.
 
 The checkpoint is a Qwen3-MoE written by bench/moe_checkpoint.py (by default 4 layers of 16 experts, top-2,
 hidden 512, moe_intermediate_size 1024, vocabulary 4096, 8 heads with 4 key/value heads: 108 M parameters, 101 M
@@ -18,6 +19,14 @@ of them experts; float32, random weights). The global batch is --batch sequences
             experts.down_proj: models/lora_export.peft_config) and bench hf-moe's transformers step, against
             ours (the ``lora`` case on 1 rank, the same tokens); steps alternating.
 
+Activation checkpointing (--activation-checkpointing): every case and both sides of the PEFT comparison run with
+the same setting: 'none', 'block' (train.activation_checkpointing = 'block' on ours, transformers'
+``gradient_checkpointing_enable`` on PEFT's: each decoder layer's activations recomputed in the backward pass, as
+QLoRA and every LoRA recipe train), or 'both' (the default): each measured in its own processes, one after the
+other, under ``settings.<setting>``, and ``checkpointing_effect`` says per side what 'block' saved and cost against
+'none'. Both by default, because the issue's ratios mean different things under each: without checkpointing the
+activations (the same for every case) fill most of a LoRA step's peak; with it the stored base does.
+
 Memory per rank (bench/lora_cases.py): ``peak`` = held (parameters at their stored size + optimizer state)
 + the peak resident memory of one step above the memory before it; the largest rank's. Step time: the
 slowest rank's, median over steps. Ratios against the full finetune (``against_full``) and ours over PEFT's
@@ -34,6 +43,7 @@ from typing import Dict
 
 import torch
 
+from ..config import ACTIVATION_CHECKPOINTING
 from .hf_moe import alternate, global_tokens
 from .lora_cases import (
     CASES,
@@ -72,6 +82,7 @@ SHAPE_OPTIONS = {
     "heads": "heads",
     "kv_heads": "kv_heads",
 }
+CHECKPOINTING = {**{setting: (setting,) for setting in ACTIVATION_CHECKPOINTING}, "both": ACTIVATION_CHECKPOINTING}
 RUN_DEFAULTS = {"batch": (8, 4), "seq_len": (128, 16), "rank": (16, 4)}  # option -> (default, --tiny)
 MIB = 2**20
 
@@ -113,8 +124,10 @@ def run_cases(spec: Dict, timeout_s: float) -> Dict[str, Dict]:
     """Every case on 2 ranks (those the config refuses skipped, with its reason), summarized."""
     from ..parallel.simulate import run_simulated
 
+    checkpointing = spec["activation_checkpointing"]
     sets = {
-        name: run_overrides(spec["directory"], 2, dtype, spec["rank"], spec["alpha"]) for name, dtype in CASES.items()
+        name: run_overrides(spec["directory"], 2, dtype, spec["rank"], spec["alpha"], checkpointing)
+        for name, dtype in CASES.items()
     }
     refused = {name: refusal(s) for name, s in sets.items()}
     accepted = {name: s for name, s in sets.items() if refused[name] is None}
@@ -131,6 +144,33 @@ def run_cases(spec: Dict, timeout_s: float) -> Dict[str, Dict]:
         name: {"skipped": refused[name]} if name not in accepted else summarize([rank[name] for rank in per_rank])
         for name in CASES
     }
+
+
+def measure_setting(spec: Dict, threads: int, timeout_s: float) -> Dict:
+    """The cases on 2 ranks and the PEFT comparison under ``spec['activation_checkpointing']``, with their ratios."""
+    cases = run_cases(spec, timeout_s)
+    peft = run_peft({**spec, "threads": threads}, timeout_s)
+    return {"cases": cases, "against_full": against_full(cases), "peft": peft, "against_peft": compare_peft(peft)}
+
+
+def checkpointing_effect(settings: Dict[str, Dict]) -> Dict[str, Dict]:
+    """Per side measured under both settings ('peft.ours', 'peft.peft' for the comparison's): its peak per rank and
+    step time with activation checkpointing over without. Empty unless both were measured."""
+    if set(settings) != set(ACTIVATION_CHECKPOINTING):
+        return {}
+    plain, checkpointed = (_sides(settings[setting]) for setting in ACTIVATION_CHECKPOINTING)
+    return {
+        name: {
+            "peak": ratio(side["peak_mib_per_rank"], plain[name]["peak_mib_per_rank"], None),
+            "step_time": ratio(side["step_s_median"], plain[name]["step_s_median"], None),
+        }
+        for name, side in checkpointed.items()
+        if "skipped" not in side and "skipped" not in plain[name]
+    }
+
+
+def _sides(measured: Dict) -> Dict[str, Dict]:
+    return {**measured["cases"], **{f"peft.{name}": measured["peft"][name] for name in ("ours", "peft")}}
 
 
 # -- the command line ----------------------------------------------------------------------------------------
@@ -155,6 +195,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=float, help="LoRA alpha (default 2 x rank)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per case, after 2 untimed ones")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the PEFT comparison's process")
+    p.add_argument(
+        "--activation-checkpointing",
+        choices=tuple(CHECKPOINTING),
+        default="both",
+        help="train.activation_checkpointing of every case and PEFT's gradient checkpointing, the same for all; "
+        "'both' measures each setting (default both)",
+    )
     p.add_argument("--keep", metavar="DIR", help="write the checkpoint into DIR and keep it")
     p.add_argument("--out", help="also write the JSON to this file")
     p.add_argument("--timeout-s", type=float, default=1800)
@@ -210,17 +257,18 @@ def main(argv=None) -> None:
         described = write_checkpoint(directory, shape, max_shard_bytes=256 * MIB)
         spec = {"directory": str(directory), "vocab": shape.vocab, "seed": 0, "steps": args.steps}
         spec |= {k: options[k] for k in ("batch", "seq_len", "rank", "alpha")}
-        cases = run_cases(spec, args.timeout_s)
-        peft = run_peft({**spec, "threads": args.threads}, args.timeout_s)
+        settings = {
+            setting: measure_setting({**spec, "activation_checkpointing": setting}, args.threads, args.timeout_s)
+            for setting in CHECKPOINTING[args.activation_checkpointing]
+        }
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result = {
         "benchmark": "lora",
         "targets": {"against_full": TARGETS, "against_peft": PEFT_TARGETS},
-        "cases": cases,
-        "against_full": against_full(cases),
-        "peft": peft,
-        "against_peft": compare_peft(peft),
+        "activation_checkpointing": list(settings),
+        "settings": settings,
+        "checkpointing_effect": checkpointing_effect(settings),
         "lora": {"rank": options["rank"], "alpha": options["alpha"], "targets": list(LORA_TARGETS)},
         "world": 2,
         "ep_size": 2,

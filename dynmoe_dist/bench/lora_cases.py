@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from ..moe.adapters import is_adapter
 from ..moe.nf4 import stored_bytes
+from ..parallel.blocks import find_blocks, is_checkpointed
 from ..parallel.fsdp import local
 from .hf_moe import LR, WEIGHT_DECAY, Timed, step_times
 from .measure import GradientsAtStep, optimizer_state, tensors_mib
@@ -35,9 +36,12 @@ LORA_TARGETS = ("attention", "routed_experts")  # what PEFT's LoRA on the same m
 MIB = 2**20
 
 
-def run_overrides(directory: str, ep_size: int, base_dtype: Optional[str], rank: int, alpha: float) -> List[str]:
+def run_overrides(
+    directory: str, ep_size: int, base_dtype: Optional[str], rank: int, alpha: float, checkpointing: str = "none"
+) -> List[str]:
     """The case's run as ``--set`` overrides of the config loader: the imported MoE at ``directory`` (its own
-    routing), experts over ``ep_size`` ranks, bench hf-moe's AdamW; with ``base_dtype`` the ``[lora]`` section."""
+    routing), experts over ``ep_size`` ranks, bench hf-moe's AdamW, ``checkpointing`` its
+    train.activation_checkpointing; with ``base_dtype`` the ``[lora]`` section."""
     sets = [
         "task.name='causal-lm'",
         "task.path='rotten-tomatoes'",  # the loader asks for a corpus; the benchmark feeds its own tokens
@@ -46,6 +50,7 @@ def run_overrides(directory: str, ep_size: int, base_dtype: Optional[str], rank:
         f"parallel.ep_size={ep_size}",
         f"train.lr={LR}",
         f"train.weight_decay={WEIGHT_DECAY}",
+        f"train.activation_checkpointing='{checkpointing}'",
     ]
     if base_dtype is not None:
         targets = ", ".join(f"'{t}'" for t in LORA_TARGETS)
@@ -100,7 +105,7 @@ def stored_mib(params: List[torch.Tensor]) -> float:
 
 def what_trains(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict:
     """Parameter and tensor counts on this rank: all, trainable, adapters, and the tensors with optimizer state
-    (a LoRA case must train its adapters and nothing else)."""
+    (a LoRA case must train its adapters and nothing else); the blocks whose activations the backward recomputes."""
     named = list(model.named_parameters())
     trainable = [p for _, p in named if p.requires_grad]
     return {
@@ -109,7 +114,16 @@ def what_trains(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict:
         "trainable_tensors": len(trainable),
         "adapter_tensors": sum(1 for name, _ in named if is_adapter(name)),
         "optimizer_state_tensors": sum(1 for _, p in named if optimizer.state.get(p)),
+        "checkpointed_blocks": checkpointed_blocks(model),
     }
+
+
+def checkpointed_blocks(model: nn.Module) -> int:
+    """The model's transformer blocks that activation checkpointing replays: ours (train.activation_checkpointing)
+    or transformers' own (``gradient_checkpointing_enable``, PEFT's side)."""
+    return sum(
+        1 for block in find_blocks(model) if is_checkpointed(block) or getattr(block, "gradient_checkpointing", False)
+    )
 
 
 def held_memory(model: nn.Module, optimizer: torch.optim.Optimizer, gradients: GradientsAtStep) -> Dict:
@@ -152,7 +166,14 @@ def timed_side(built: Built) -> Timed:
 def summarize(per_rank: List[Dict]) -> Dict:
     """One side over its ranks: hf_moe.step_times, the largest rank's memory, every rank's counts."""
     memory = [k for k in per_rank[0] if k.endswith("_mib")]
-    counts = ("parameters", "trainable_parameters", "trainable_tensors", "adapter_tensors", "optimizer_state_tensors")
+    counts = (
+        "parameters",
+        "trainable_parameters",
+        "trainable_tensors",
+        "adapter_tensors",
+        "optimizer_state_tensors",
+        "checkpointed_blocks",
+    )
     return {
         **step_times(per_rank),
         **{f"{k}_per_rank": max(r[k] for r in per_rank) for k in memory},

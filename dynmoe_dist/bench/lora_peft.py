@@ -6,8 +6,10 @@ torch._grouped_mm on CPU), ``get_peft_model`` with models/lora_export.peft_confi
 ``--adapter`` export writes: ``target_modules`` our adapted attention projections by name,
 ``target_parameters`` experts.gate_up_proj and experts.down_proj), and bench hf-moe's transformers step
 (AdamW over the model's parameters: the frozen ones get no gradient, hence no state; its ``labels=`` loss).
-Ours: the ``lora`` case of bench/lora_cases.py on a world of 1. Both start with B = 0, so their first losses
-are the checkpoint's and must agree. Memory and counts as bench/lora_cases.py measures them.
+Ours: the ``lora`` case of bench/lora_cases.py on a world of 1. Activation checkpointing is the same on both
+sides: train.activation_checkpointing = 'block' on ours, ``gradient_checkpointing_enable`` on PEFT's. Both start
+with B = 0, so their first losses are the checkpoint's and must agree. Memory and counts as bench/lora_cases.py
+measures them.
 """
 
 from __future__ import annotations
@@ -23,14 +25,18 @@ from .measure import GradientsAtStep
 TARGETS = {"peak": 1.0, "step_time": 1.0}  # ours / PEFT's, issue 30 item 6
 
 
-def peft_side(directory: str, ours_model: torch.nn.Module, lora, tokens_BL: torch.Tensor):
-    """PEFT's LoRA of ``lora`` (our run's options, on the modules ``ours_model`` adapted) on transformers' model."""
+def peft_side(directory: str, ours_model: torch.nn.Module, lora, tokens_BL: torch.Tensor, checkpointing: str):
+    """PEFT's LoRA of ``lora`` (our run's options, on the modules ``ours_model`` adapted) on transformers' model;
+    ``checkpointing`` 'block' is transformers' own gradient checkpointing of every decoder layer (non-reentrant, as
+    ours), the way PEFT's recipes turn it on."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     from ..models.lora_export import peft_config
 
     model = AutoModelForCausalLM.from_pretrained(directory).train()
+    if checkpointing == "block":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # our adapted modules by their names in the transformers model ours wraps, as our --adapter export names them
     peft = get_peft_model(model, peft_config(cast(Any, ours_model).transformers_model(), lora, directory))
     optimizer, step = transformers_side(peft, tokens_BL)
@@ -42,9 +48,12 @@ def peft_process(spec: Dict) -> Dict:
     """One process of ``spec['threads']`` threads: ours (1 rank) and PEFT's, steps alternating."""
     torch.set_num_threads(spec["threads"])
     tokens_BL = global_tokens(spec)
-    sets = run_overrides(spec["directory"], 1, CASES["lora"], spec["rank"], spec["alpha"])
+    checkpointing = spec["activation_checkpointing"]
+    sets = run_overrides(spec["directory"], 1, CASES["lora"], spec["rank"], spec["alpha"], checkpointing)
     ours = build_case(sets, tokens_BL, spec["vocab"])
-    peft, optimizer, step, implementation = peft_side(spec["directory"], ours.parts.model, ours.lora, tokens_BL)
+    peft, optimizer, step, implementation = peft_side(
+        spec["directory"], ours.parts.model, ours.lora, tokens_BL, checkpointing
+    )
     gradients = GradientsAtStep(optimizer, {"all": list(peft.parameters())})
     sides = {"ours": timed_side(ours), "peft": Timed(step, barrier=lambda: None, trim=True)}
     alternate(sides.values(), spec["steps"])

@@ -49,3 +49,9 @@ def apply_activation_checkpointing(model: nn.Module) -> List[nn.Module]:
     for block in blocks:
         block.forward = functools.partial(_checkpointed, block.forward)
     return blocks
+
+
+def is_checkpointed(block: nn.Module) -> bool:
+    """Whether ``apply_activation_checkpointing`` wrapped ``block``'s forward."""
+    forward = block.forward
+    return isinstance(forward, functools.partial) and forward.func is _checkpointed

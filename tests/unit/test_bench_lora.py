@@ -1,6 +1,7 @@
-"""bench lora: the ratios against the full finetune and against PEFT (hand-worked, skipped cases carried through),
-a case the config refuses reported with its one-line reason, bad options as one line before anything starts, and
-a tiny run of the whole benchmark (slow: 3 spawned processes importing transformers and PEFT)."""
+"""bench lora: the ratios against the full finetune and against PEFT, and activation checkpointing's effect
+(hand-worked, skipped cases carried through), a case the config refuses reported with its one-line reason, bad
+options as one line before anything starts, and a tiny run of the whole benchmark under both activation
+checkpointing settings (slow: 6 spawned processes importing transformers and PEFT)."""
 
 import json
 import os
@@ -28,6 +29,7 @@ def _rank(wall, peak, trainable=10, loss=1.0):
         "trainable_tensors": 2,
         "adapter_tensors": 2,
         "optimizer_state_tensors": 2,
+        "checkpointed_blocks": 0,
     }
 
 
@@ -54,6 +56,31 @@ def test_ratios_against_the_full_finetune_carry_the_targets_and_skipped_cases():
     assert out["qlora"] == {"skipped": "lora.base_dtype ('nf4'): not yet"}
     assert set(out) == set(CASES) - {"full"}
     assert bench.against_full({**cases, "full": {"skipped": "no"}})["lora"] == {"skipped": "no"}
+
+
+def test_checkpointing_effect_is_block_over_none_for_every_side_measured_under_both():
+    def measured(full_peak, qlora, ours_s):
+        cases = {"full": {"peak_mib_per_rank": full_peak, "step_s_median": 2.0}, "qlora": qlora}
+        peft = {"ours": {"peak_mib_per_rank": 100.0, "step_s_median": ours_s}, "peft": {"skipped": "no"}}
+        return {"cases": cases, "peft": peft}
+
+    plain = measured(1000.0, {"peak_mib_per_rank": 300.0, "step_s_median": 1.0}, 0.5)
+    checkpointed = measured(800.0, {"skipped": "no torchao"}, 0.6)
+    out = bench.checkpointing_effect({"none": plain, "block": checkpointed})
+    assert set(out) == {"full", "peft.ours"}  # a side skipped under either setting has no ratio
+    assert out["full"]["peak"] == {"ratio": 0.8, "target": None, "meets_target": None}
+    assert out["full"]["step_time"]["ratio"] == 1.0 and out["peft.ours"]["step_time"]["ratio"] == 1.2
+    assert bench.checkpointing_effect({"block": checkpointed}) == {}
+
+
+def test_every_case_runs_with_the_setting_asked_for(tiny):
+    from dynmoe_dist.config import load_config
+
+    for checkpointing in ("none", "block"):
+        for base_dtype in CASES.values():
+            config = load_config(None, run_overrides(tiny, 2, base_dtype, 4, 8.0, checkpointing))
+            assert config.train.activation_checkpointing == checkpointing
+    assert bench.CHECKPOINTING == {"none": ("none",), "block": ("block",), "both": ("none", "block")}
 
 
 def test_ours_over_peft_with_the_targets():
@@ -97,13 +124,36 @@ def test_bad_options_are_one_line_before_anything_starts(argv, message, monkeypa
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.slow  # two gloo ranks, then one process with PEFT, each importing transformers: ~70 s on 2 busy cores
-def test_tiny_run_measures_every_accepted_case_and_trains_only_adapters(tmp_path, capsys):
+def test_an_unknown_checkpointing_setting_is_refused_before_anything_starts(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "write_checkpoint", lambda *a, **k: pytest.fail("started"))
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--activation-checkpointing", "full"])
+    assert "--activation-checkpointing: invalid choice: 'full'" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # per setting two gloo ranks, then one process with PEFT, each importing transformers: ~140 s
+def test_tiny_run_measures_every_accepted_case_under_both_settings_and_trains_only_adapters(tmp_path, capsys):
     out = tmp_path / "lora.json"
-    bench.main(["--tiny", "--steps", "1", "--out", str(out)])
+    bench.main(["--tiny", "--steps", "1", "--out", str(out)])  # the default: both settings
     result = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out) == result
-    assert set(result["cases"]) == set(CASES) and result["world"] == 2 and result["ep_size"] == 2
+    assert result["world"] == 2 and result["ep_size"] == 2
+    assert result["activation_checkpointing"] == list(result["settings"]) == ["none", "block"]
+    for setting, measured in result["settings"].items():
+        _setting_measured(measured, bench.TINY.num_layers if setting == "block" else 0)
+    plain, checkpointed = (result["settings"][s] for s in ("none", "block"))
+    for name, case in checkpointed["cases"].items():  # recomputing changes no number of the forward
+        if "skipped" not in case:
+            assert case["first_loss"] == pytest.approx(plain["cases"][name]["first_loss"], rel=1e-6), name
+            assert result["checkpointing_effect"][name]["peak"]["ratio"] == round(
+                case["peak_mib_per_rank"] / plain["cases"][name]["peak_mib_per_rank"], 3
+            )
+    assert {"full", "lora", "peft.ours", "peft.peft"} <= set(result["checkpointing_effect"])
+
+
+def _setting_measured(result, checkpointed_blocks):
+    """One setting's cases and PEFT comparison, every side's blocks checkpointed as the setting says."""
+    assert set(result["cases"]) == set(CASES)
     full = result["cases"]["full"]
     assert full["trainable_parameters_by_rank"] == full["parameters_by_rank"]  # every weight trains
     measured = {name: case for name, case in result["cases"].items() if "skipped" not in case}
@@ -116,6 +166,7 @@ def test_tiny_run_measures_every_accepted_case_and_trains_only_adapters(tmp_path
             continue
         assert case["ranks"] == 2 and case["step_s_median"] > 0 and case["peak_mib_per_rank"] > 0
         assert case["optimizer_state_tensors_by_rank"] == case["trainable_tensors_by_rank"]
+        assert case["checkpointed_blocks_by_rank"] == [checkpointed_blocks] * 2, name
         if name != "full":
             _trains_only_adapters(case)
             ratios = result["against_full"][name]
@@ -125,6 +176,8 @@ def test_tiny_run_measures_every_accepted_case_and_trains_only_adapters(tmp_path
     _trains_only_adapters(peft["ours"])
     assert peft["peft"]["experts_implementation"] == "grouped_mm" and peft["threads"] == 2
     assert peft["peft"]["optimizer_state_tensors_by_rank"] == peft["peft"]["trainable_tensors_by_rank"]
+    assert peft["ours"]["checkpointed_blocks_by_rank"] == peft["peft"]["checkpointed_blocks_by_rank"]
+    assert peft["ours"]["checkpointed_blocks_by_rank"] == [checkpointed_blocks]
     against = result["against_peft"]
     assert against["same_trainable_parameters"] and against["first_loss_relative_difference"] < 1e-5  # B = 0
     assert against["peak"]["ratio"] == round(peft["ours"]["peak_mib_per_rank"] / peft["peft"]["peak_mib_per_rank"], 3)
