@@ -21,7 +21,7 @@ of them experts; float32, random weights). The global batch is --batch sequences
 
 Activation checkpointing (--activation-checkpointing): every case and both sides of the PEFT comparison run with
 the same setting: 'none', 'block' (train.activation_checkpointing = 'block' on ours, transformers'
-``gradient_checkpointing_enable`` on PEFT's: each decoder layer's activations recomputed in the backward pass, as
+``activation_checkpointing_enable`` on PEFT's: each decoder layer's activations recomputed in the backward pass, as
 QLoRA and every LoRA recipe train), or 'both' (the default): each measured in its own processes, one after the
 other, under ``settings.<setting>``, and ``checkpointing_effect`` says per side what 'block' saved and cost against
 'none'. Both by default, because the issue's ratios mean different things under each: without checkpointing the

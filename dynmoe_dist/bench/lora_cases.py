@@ -120,7 +120,7 @@ def what_trains(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict:
 
 def checkpointed_blocks(model: nn.Module) -> int:
     """The model's transformer blocks that activation checkpointing replays: ours (train.activation_checkpointing)
-    or transformers' own (``gradient_checkpointing_enable``, PEFT's side)."""
+    or transformers' own (``activation_checkpointing_enable``, PEFT's side)."""
     return sum(
         1 for block in find_blocks(model) if is_checkpointed(block) or getattr(block, "gradient_checkpointing", False)
     )

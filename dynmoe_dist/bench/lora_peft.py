@@ -7,9 +7,9 @@ torch._grouped_mm on CPU), ``get_peft_model`` with models/lora_export.peft_confi
 ``target_parameters`` experts.gate_up_proj and experts.down_proj), and bench hf-moe's transformers step
 (AdamW over the model's parameters: the frozen ones get no gradient, hence no state; its ``labels=`` loss).
 Ours: the ``lora`` case of bench/lora_cases.py on a world of 1. Activation checkpointing is the same on both
-sides: train.activation_checkpointing = 'block' on ours, ``gradient_checkpointing_enable`` on PEFT's. Both start
-with B = 0, so their first losses are the checkpoint's and must agree. Memory and counts as bench/lora_cases.py
-measures them.
+sides: train.activation_checkpointing = 'block' on ours, ``activation_checkpointing_enable`` on PEFT's. Both
+start with B = 0, so their first losses are the checkpoint's and must agree. Memory and counts as
+bench/lora_cases.py measures them.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def peft_side(directory: str, ours_model: torch.nn.Module, lora, tokens_BL: torc
 
     model = AutoModelForCausalLM.from_pretrained(directory).train()
     if checkpointing == "block":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     # our adapted modules by their names in the transformers model ours wraps, as our --adapter export names them
     peft = get_peft_model(model, peft_config(cast(Any, ours_model).transformers_model(), lora, directory))
     optimizer, step = transformers_side(peft, tokens_BL)
