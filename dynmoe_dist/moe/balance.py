@@ -16,13 +16,21 @@ What each rule moves:
   The step's mean k is k(G) = sum_e P(cos_e > G_e); one common shift s changes it by about -S s, where S is
   the density of token-expert cosines at their thresholds, measured as the pairs within +-BAND of them over
   2 BAND tokens and averaged over the steps before (SLOPE_MEMORY; the average is the 'balance' checkpoint
-  part). The shift is DAMPING (k - target) / S, at most MAX_SHIFT either way: a measured slope makes the
-  rule converge at the same pace whatever the dimension, the expert count or how peaked the cosines are (a
-  fixed rate is too slow at one scale and oscillates at another), and the damping (a half step) keeps it
-  stable when the slope is misjudged by up to four times and averages the batch's sampling noise. Before
-  the shift, the optimizer's common move of the layer's thresholds that step is taken back: the budget owns
-  their level, the gradient their differences. k is the experts a token runs (its top-1 fallback
-  included): the compute.
+  part). The shift is DAMPING (k - target) / S plus the layer's drift, at most MAX_SHIFT either way: a
+  measured slope makes the rule converge at the same pace whatever the dimension, the expert count or how
+  peaked the cosines are (a fixed rate is too slow at one scale and oscillates at another). The drift is the
+  integral term, DRIFT_GAIN (k - target) / S summed over the steps: the common move the thresholds have
+  needed every step lately. Without it the rule follows a steady fall of k (the gate vectors and hidden
+  states drift while the finetune trains; k fell nearly every step of the frontier's runs at peak lr) a step
+  behind, with a standing error of fall / DAMPING, and a sudden drop (k 11 % lower from one step to the next
+  in one layer) took 4-5 steps to recover: 10-step windows 4-5.6 % off target 1.0. With the drift and
+  DAMPING 0.8 (0.5 before) the same run's worst window is 2.1 %. The loop's poles (z^2 - (2 - P - I) z + 1 - P,
+  P = DAMPING c, I = DRIFT_GAIN c, with c the true slope over the measured one) stay inside the unit circle
+  for c up to 2.35; the measured slope errs high if anything (the sudden drop recovered as if c were 0.5).
+  The drift integrates only errors within DRIFT_BAND of the target, so the way down from an uncalibrated
+  start does not wind it up. Before the shift, the optimizer's common move of the layer's thresholds that
+  step is taken back: the budget owns their level, the gradient their differences. k is the experts a token
+  runs (its top-1 fallback included): the compute.
 - budget, an expert an adaptive event adds (``start_added_experts``): the event gives it threshold UNSET,
   above every cosine, so it chooses nothing in its first step; that step counts its cosines in BIN-wide
   bins, and after it the budget sets its threshold where it takes its share of the budget (target_k / E of
@@ -60,8 +68,13 @@ from .routing import Routing
 
 BAND = 0.01
 """Half-width, in cosine units, of the band around each threshold whose pairs measure the slope of k."""
-DAMPING = 0.5
+DAMPING = 0.8
 """Fraction of the Newton step the budget takes."""
+DRIFT_GAIN = 0.1
+"""Fraction of the Newton step added to the budget's drift each step (the integral term's gain)."""
+DRIFT_BAND = 0.25
+"""The drift integrates only errors within this fraction of the target: a fall or a drop, not the way down
+from an uncalibrated start (k 3.5 against target 1.25 wound it up: k 8 % under the target for 10 steps)."""
 MAX_SHIFT = 0.05
 """Largest common threshold shift of one step (cosines lie in [-1, 1])."""
 SLOPE_MEMORY = 0.7
@@ -80,13 +93,20 @@ def measured_slope(near_per_token: float) -> float:
     return near_per_token / (2 * BAND)
 
 
-def budget_shift(mean_k: float, target_k: float, slope: float) -> float:
-    """The common threshold shift of one step: a damped Newton step on mean k, with the slope of k in the
-    shift (``measured_slope``, smoothed over the steps before)."""
+def budget_shift(mean_k: float, target_k: float, slope: float, drift: float = 0.0) -> Tuple[float, float]:
+    """The common threshold shift of one step and the drift after it: a damped Newton step on mean k (the
+    slope of k in the shift from ``measured_slope``, smoothed over the steps before) plus the drift, which
+    integrates the error. While the shift is at MAX_SHIFT the drift stays where it was (no wind-up during a
+    large correction, such as the first steps of an uncalibrated run)."""
     error = mean_k - target_k
     if slope <= 0:  # no pair near any threshold: the slope is unknown, move the most a step may
-        return math.copysign(MAX_SHIFT, error) if error else 0.0
-    return max(-MAX_SHIFT, min(MAX_SHIFT, DAMPING * error / slope))
+        return (math.copysign(MAX_SHIFT, error) if error else 0.0), drift
+    gain = DRIFT_GAIN if abs(error) <= DRIFT_BAND * target_k else 0.0
+    wound = max(-MAX_SHIFT, min(MAX_SHIFT, drift + gain * error / slope))
+    shift = wound + DAMPING * error / slope
+    if abs(shift) > MAX_SHIFT:
+        return math.copysign(MAX_SHIFT, shift), drift
+    return shift, wound
 
 
 def balance_moves(counts_E: Tensor, rate: float) -> Tensor:
@@ -145,6 +165,8 @@ class LayerBalance:
         self.rate = config.balance_rate if config.balance == "bias" else 0.0
         self.slope: Optional[float] = None
         """The budget's slope of k, averaged over the steps so far (None before the first): checkpointed."""
+        self.drift = 0.0
+        """The budget's integral term, in cosine units a step (``budget_shift``): checkpointed."""
         self.started_E: Optional[Tensor] = None
         self.unset: List[int] = []
         """Experts whose threshold the budget sets after this step (UNSET: added by the event before it)."""
@@ -223,19 +245,21 @@ class LayerBalance:
         """With a budget, the optimizer's common move of the layer's thresholds this step is taken back first:
         the budget owns their level, the gradient shapes their differences. A gradient that pushes the level
         the same way every step (the task loss asking for more experts) is a ramp an integrating controller
-        follows only a step behind, with an error of push / DAMPING (5 % of k in a small run); taken back at
-        the source, it leaves the budget nothing but the slow drift of the gate vectors and the tokens."""
+        follows only a step behind, with an error of push / DAMPING (5 % of k in a small run), and its drift
+        term would learn the push only as fast as DRIFT_GAIN allows; taken back at the source, it leaves the
+        budget nothing but the slow drift of the gate vectors and the tokens, which the drift term follows."""
         shift, placed_U = 0.0, None
         if self.target_k:
             assert self.started_E is not None, "start_step notes the thresholds when there is a budget"
             threshold_E.sub_((threshold_E - self.started_E).mean())
             placed_U, added_k = self._place_unset(hist_UB, threshold_E.numel())
-            shift = budget_shift(mean_k + added_k, self.target_k, self._slope_before(measured_slope(near)))
+            slope = self._slope_before(measured_slope(near))
+            shift, self.drift = budget_shift(mean_k + added_k, self.target_k, slope, self.drift)
         # a balance move is a choice-bias move: a busy expert (negative move) gets a higher threshold
         threshold_E.add_((shift - moves_E).to(threshold_E))
         if placed_U is not None and self.unset:
             threshold_E[self.unset] = placed_U.to(threshold_E)
-        return {"threshold_shift": shift} if self.target_k else {}
+        return {"threshold_shift": shift, "threshold_drift": self.drift} if self.target_k else {}
 
     def _place_unset(self, hist_UB: Tensor, num_experts: int) -> Tuple[Tensor, float]:
         """Thresholds for the unset experts, each taking its share of the budget (target_k / E of the tokens,
@@ -272,16 +296,18 @@ class Balancers:
         return sum(b.size for b in self.layers)
 
     def state_dict(self) -> Dict[str, List[Optional[float]]]:
-        """The budget's averaged slopes (equal on every rank). The thresholds and choice biases they move are
-        the routers' own tensors, saved with the dense state."""
-        return {"slopes": [b.slope for b in self.layers]}
+        """The budget's averaged slopes and drifts (equal on every rank). The thresholds and choice biases they
+        move are the routers' own tensors, saved with the dense state."""
+        return {"slopes": [b.slope for b in self.layers], "drifts": [b.drift for b in self.layers]}
 
     def load_state_dict(self, state: Dict[str, List[Optional[float]]]) -> None:
         slopes = state["slopes"]
-        if len(slopes) != len(self.layers):
+        drifts = state.get("drifts", [0.0] * len(slopes))  # saved before the budget had an integral term
+        if len(slopes) != len(self.layers) or len(drifts) != len(self.layers):
             raise ValueError(f"saved balance state has {len(slopes)} layers, the model has {len(self.layers)}")
-        for balance, slope in zip(self.layers, slopes):
+        for balance, slope, drift in zip(self.layers, slopes, drifts):
             balance.slope = slope
+            balance.drift = float(drift or 0.0)
 
     def update(self, summed: Sequence[float]) -> Dict[str, List[float]]:
         """Apply every layer's update from its slice of the summed vector; per-layer lists for the record."""

@@ -48,7 +48,7 @@ LOAD_ORDER = (
     #             optimizer's groups: the dense load below writes into those router parameters and installs
     #             their Adam state, so they must exist (at the saved shapes) and be the optimizer's first
     "dense",  # fills every dense parameter (routers included) and its Adam state, resharded by DCP
-    "balance",  # the k budget's averaged slopes (moe/balance.py; the tensors it moves are dense state)
+    "balance",  # the k budget's averaged slopes and drifts (moe/balance.py; the tensors it moves are dense state)
     "recorders",  # an open window's statistics, sized for the layers' expert counts after "experts"
     "adaptive",  # the plan version
     "trainer",  # step, data position and RNG last: rebuilding experts above draws from the RNG

@@ -43,6 +43,7 @@ PER_LAYER_LISTS = (
     "load_cv",
     "k_histogram",
     "threshold_shift",  # moe.target_k's move of the step (moe/balance.py)
+    "threshold_drift",  # its integral term after the step
     "bias_spread",  # moe.balance = 'bias': max - min of the choice bias
 )
 
