@@ -14,13 +14,21 @@ training run, a directory, a .gguf file or package:NAME). Prints one JSON object
 With ``--native`` it times both at every ``--batch`` (default 1 and 16) and reports, per batch, the export's
 mean k over the decode steps (its routers' choices, counted in one more untimed generation), the FLOPs ratio
 k / the native top-k, and the decode-time ratio against the target: export / native <= FLOPs ratio + 0.05.
+
+With ``--build DIR`` (instead of --model and --native) it first builds, offline and from ``--seed``, a stock
+Qwen3-MoE whose experts are most of a decode step, its native top-k/2 view and a top-any export of it made the
+project's way (conversion run at the budget ``--target-k``, then ``python -m dynmoe_dist.export``; see
+bench/decode_pair.py; reused on the next call), then times the export against the native as --native does, and
+the view against the native under "sanity": whether any router can meet the target at that size.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, List, Tuple, cast
@@ -52,6 +60,11 @@ def check(args: argparse.Namespace) -> None:
         if getattr(args, name) < least:
             raise ValueError(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= {least}")
     check_batches(args)
+    if args.build is not None:
+        check_build(args)
+        return
+    if args.model is None:
+        raise ValueError("--model (an exported directory) or --build (DIR) is needed")
     section = read_config(args.model, "model").get("dynmoe")
     if section is not None and (not isinstance(section, dict) or section.get("format") not in REMOTE_FORMATS):
         raise ValueError(
@@ -67,12 +80,26 @@ def check(args: argparse.Namespace) -> None:
 
 
 def check_batches(args: argparse.Namespace) -> None:
+    against_native = args.native is not None or args.build is not None
     if args.batch is None:
-        args.batch = NATIVE_BATCHES if args.native is not None else [1]
+        args.batch = NATIVE_BATCHES if against_native else [1]
     if min(args.batch) < 1:
         raise ValueError(f"--batch ({' '.join(map(str, args.batch))}) must be >= 1")
-    if args.native is None and len(args.batch) > 1:
-        raise ValueError(f"--batch ({' '.join(map(str, args.batch))}): one value without --native")
+    if not against_native and len(args.batch) > 1:
+        raise ValueError(f"--batch ({' '.join(map(str, args.batch))}): one value without --native or --build")
+
+
+def check_build(args: argparse.Namespace) -> None:
+    """--build makes the models it times: no --model, --native or --base; a budget the model can hold."""
+    from .decode_pair import FULL, TINY, check_target
+
+    for name in ("model", "native", "base"):
+        given = getattr(args, name)
+        if given is not None:
+            raise ValueError(f"--{name} ({given!r}) and --build ({args.build!r}): --build makes the models")
+    if args.seed < 0:
+        raise ValueError(f"--seed ({args.seed}) must be >= 0")
+    check_target(TINY if args.tiny else FULL, args.target_k)
 
 
 def read_config(directory: str, option: str) -> Dict:
@@ -210,21 +237,21 @@ def random_prompt(models: Dict[str, nn.Module], batch: int, length: int) -> torc
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
 
 
-def native_comparison(args: argparse.Namespace) -> Dict:
-    """Per batch: the export against the native export, with the export's decode k (see against_native)."""
-    models = {"native": load_export(args.native), "export": load_export(args.model)}
+def native_comparison(native: str, other: str, args: argparse.Namespace) -> Dict:
+    """Per batch: ``other`` (a DynMoE export, or a stock view of the native at another top-k) against the native
+    export, with its decode k (see against_native)."""
+    models = {"native": load_export(native), "export": load_export(other)}
     native_k = int(cast("PreTrainedModel", models["native"]).config.num_experts_per_tok)
     batches = {}
     for batch in args.batch:
         prompt_BL = random_prompt(models, batch, args.prompt_tokens)
         runs = timed_runs(models, prompt_BL, args.new_tokens, args.repeats)
-        k = DecodeK(models["export"]).mean_k(prompt_BL, args.new_tokens)
-        batches[str(batch)] = against_native(runs, k, native_k)
+        batches[str(batch)] = against_native(runs, decode_k(models["export"], prompt_BL, args.new_tokens), native_k)
     dtype = next(models["export"].parameters()).dtype
     # transformers' choice for the native model's experts ('grouped_mm' where its kernel runs, else 'eager')
     native_experts = str(getattr(cast("PreTrainedModel", models["native"]).config, "_experts_implementation", None))
     return {
-        "native": args.native,
+        "native": native,
         "dtype": str(dtype),
         "native_k": native_k,
         "native_experts_implementation": native_experts,
@@ -232,9 +259,31 @@ def native_comparison(args: argparse.Namespace) -> Dict:
     }
 
 
+def decode_k(model: nn.Module, prompt_BL: torch.Tensor, new_tokens: int) -> float:
+    """A DynMoE export's mean k over the decode steps (DecodeK); a stock model's own top-k."""
+    config = cast("PreTrainedModel", model).config
+    if getattr(config, "dynmoe", None) is None:
+        return float(config.num_experts_per_tok)
+    return DecodeK(model).mean_k(prompt_BL, new_tokens)
+
+
+def built_comparison(args: argparse.Namespace) -> Dict:
+    """--build: the pair built (or reused) in DIR, the export against the native and, as the sanity line, the
+    native top-k/2 view against the native (can any router meet the target at this size?)."""
+    from .decode_pair import FULL, TINY, build_pair
+
+    with contextlib.redirect_stdout(sys.stderr):  # the conversion run's messages: stdout is the one JSON line
+        built = build_pair(Path(args.build), TINY if args.tiny else FULL, args.target_k, args.seed)
+    built = {key: value for key, value in built.items() if key != "settings"}
+    export = native_comparison(built["native"], built["export"], args)
+    sanity = native_comparison(built["native"], built["view"], args)
+    sanity_line = {"view": built["view"], "batches": sanity["batches"]}
+    return {**export, "model": built["export"], "built": built, "sanity": sanity_line}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dynmoe_dist.bench generate", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="an exported directory (python -m dynmoe_dist.export)")
+    parser.add_argument("--model", default=None, help="an exported directory (python -m dynmoe_dist.export)")
     parser.add_argument("--base", default=None, help="the dense base model (default: the export's dynmoe.base_model)")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -242,6 +291,10 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=None, help="with --native: several (default 1 16)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--build", default=None, help="build the native, its top-k/2 view and a top-any export here")
+    parser.add_argument("--tiny", action="store_true", help="with --build: a tiny pair (tests)")
+    parser.add_argument("--target-k", type=float, default=0.0, help="with --build: the budget (0: the native k / 2)")
+    parser.add_argument("--seed", type=int, default=0, help="with --build: the stock model's init (default 0)")
     args = parser.parse_args(argv)
     try:
         check(args)
@@ -250,8 +303,10 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     common = {"benchmark": "generate", "model": args.model, "prompt_tokens": args.prompt_tokens}
     common.update(new_tokens=args.new_tokens, repeats=args.repeats)
-    if args.native is not None:
-        result = {**common, **native_comparison(args)}
+    if args.build is not None:
+        result = {**common, **built_comparison(args)}
+    elif args.native is not None:
+        result = {**common, **native_comparison(args.native, args.model, args)}
     else:
         result = {**common, **base_comparison(args)}
     print(json.dumps({**result, "machine": machine_info(args.threads)}))

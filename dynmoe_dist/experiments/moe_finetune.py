@@ -31,12 +31,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..bench.commands import CommandFailed, export_checkpoint
 from ..config import RunConfig, load_config
 from ..train.checkpoint import last_complete_checkpoint
 from ..train.cli import exit_usage_error
 from ..train.telemetry import METRICS_FILE, read_metrics
 from .moe_report import FinetuneResult, aggregate_variant, summarise_finetune
-from .moe_runs import CommandFailed, export_checkpoint, generation_ms, log, simulated
+from .moe_runs import generation_ms, log, simulated
 from .probe import RoutingProbe, add_totals
 
 CONFIG_FILE = "config.toml"

@@ -22,9 +22,6 @@ OUT/frontier.png; finished runs are reused on the next call.
 from __future__ import annotations
 
 import argparse
-import functools
-import json
-import os
 import shlex
 import sys
 import time
@@ -33,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..config import RunConfig
+from ..models.hf.topk_view import model_with_k
 from ..train.cli import exit_usage_error
 from .moe_finetune import FULL, TINY, Plan, check_model, train_config
 from .moe_report import aggregate_variant
@@ -96,41 +94,6 @@ def variants() -> List[Variant]:
         ),
     ]
     return found
-
-
-def model_with_k(model: Path, k: int, views: Path) -> Path:
-    """``model`` itself when k is its own top-k (or 0); otherwise views/kK: every file of ``model`` linked, and
-    config.json copied with num_experts_per_tok = k. Rewritten on every call (a changed model is followed)."""
-    config = json.loads((model / "config.json").read_text())
-    if k in (0, config["num_experts_per_tok"]):
-        return model
-    view = views / f"k{k}"
-    view.mkdir(parents=True, exist_ok=True)
-    for file in model.iterdir():
-        link = view / file.name
-        if (
-            file.is_file()
-            and file.name != "config.json"
-            and not (link.is_symlink() and link.resolve() == file.resolve())
-        ):
-            _replace(link, functools.partial(_link_to, file.resolve()))
-    text = json.dumps({**config, "num_experts_per_tok": k}, indent=2)
-    if not (view / "config.json").is_file() or (view / "config.json").read_text() != text:
-        _replace(view / "config.json", lambda temp: temp.write_text(text))
-    return view
-
-
-def _link_to(target: Path, link: Path) -> None:
-    link.symlink_to(target)
-
-
-def _replace(path: Path, write: Callable[[Path], Any]) -> None:
-    """``write`` a temporary sibling, then rename it over ``path``: commands run side by side (--seed-list) read
-    a whole file or the old one, never a half-written one."""
-    temp = path.with_name(f".{path.name}.{os.getpid()}")
-    temp.unlink(missing_ok=True)
-    write(temp)
-    os.replace(temp, path)
 
 
 def run_config(plan: Plan, variant: Variant, seed: int) -> RunConfig:

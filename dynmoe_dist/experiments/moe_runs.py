@@ -1,23 +1,18 @@
 """What `pretrain-moe` and `moe-finetune` share: runs on simulated ranks, and the two commands they call
-on a finished run, `python -m dynmoe_dist.export` and `python -m dynmoe_dist.bench generate`.
-
-The commands run as subprocesses, the way a user runs them: the export is a later layer than
-experiments/ (tests/unit/test_layering.py), and generation timing wants a fresh process whose remote
-code is imported from the export itself.
+on a finished run, `python -m dynmoe_dist.export` and `python -m dynmoe_dist.bench generate`, as
+subprocesses (bench/commands.py runs them).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence
 
+from ..bench.commands import last_json, run_command
+
 RUN_TIMEOUT_S = 7 * 24 * 3600.0
 """No overall deadline worth having for one training run; collectives still time out on their own."""
-COMMAND_TIMEOUT_S = 1800.0
 
 
 def log(message: str) -> None:
@@ -33,38 +28,6 @@ def simulated(fn: Callable[..., Any], world_size: int, args: Sequence[Any]) -> L
     from ..parallel.simulate import run_simulated
 
     return run_simulated(fn, world_size, args=tuple(args), timeout_s=RUN_TIMEOUT_S, collective_timeout_s=600.0)
-
-
-class CommandFailed(RuntimeError):
-    """A command this experiment runs exited non-zero; the message is its last lines of output."""
-
-
-def run_command(args: Sequence[str], env: Dict[str, str]) -> str:
-    """stdout of ``python -m ARGS`` (offline: the hub is never asked); CommandFailed with the tail of
-    stderr when it fails."""
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **env}
-    done = subprocess.run(
-        [sys.executable, "-m", *args], capture_output=True, text=True, env=full_env, timeout=COMMAND_TIMEOUT_S
-    )
-    if done.returncode != 0:
-        tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
-        raise CommandFailed(f"python -m {' '.join(args[:2])} exited {done.returncode}: {tail}")
-    return done.stdout
-
-
-def export_checkpoint(checkpoint: Path, out: Path) -> Path:
-    """`python -m dynmoe_dist.export CHECKPOINT --out OUT`: a native-routing run in the model's stock format,
-    a top-any run as a remote-code directory."""
-    run_command(["dynmoe_dist.export", str(checkpoint), "--out", str(out)], {})
-    return out
-
-
-def last_json(stdout: str) -> Dict[str, Any]:
-    """The last line of a command's stdout that is a JSON object."""
-    for line in reversed(stdout.strip().splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    raise CommandFailed(f"no JSON line in the command's output: {stdout[-200:]!r}")
 
 
 def generation_ms(export: Path, base: Path, threads: int, repeats: int, modules_cache: Path) -> Dict[str, float]:

@@ -4,7 +4,7 @@ Qwen3-MoE pre-trained from scratch on the machine's own text, saved as a stock t
 No small pre-trained MoE ships offline, and `moe-finetune` needs one to convert. The steps:
 1. corpus: the docstrings of the running interpreter's standard library and site-packages
    (experiments/docstrings.py), capped, written to DIR/pretrain/corpus.jsonl;
-2. tokenizer: byte-level BPE trained on it (experiments/bpe.py), EOS <|endoftext|>;
+2. tokenizer: byte-level BPE trained on it (data/bpe.py), EOS <|endoftext|>;
 3. model: transformers' Qwen3MoeConfig at the FULL sizes below (16 experts, top-2, norm_topk_prob, the family's own
    load-balance loss on at a small coefficient so the experts stay balanced while they specialise),
    random init, save_pretrained to DIR/pretrain/init;
@@ -31,12 +31,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..bench.commands import CommandFailed, export_checkpoint
 from ..config import RunConfig, load_config
+from ..data.bpe import padded_vocab, save_tokenizer, train_bpe
 from ..train.checkpoint import last_complete_checkpoint
 from ..train.cli import exit_usage_error
-from .bpe import padded_vocab, save_tokenizer, train_bpe
 from .docstrings import build_corpus, default_roots, read_corpus
-from .moe_runs import CommandFailed, export_checkpoint, log, simulated
+from .moe_runs import log, simulated
 
 SUMMARY_FILE = "pretrain.json"
 TRAINED_FILE = "trained.json"

@@ -1,7 +1,7 @@
 """bench generate: the summary and the comparison against a native export (hand-worked), the decode-k count,
 the option checks, one tiny real run of the CLI on an exported LLaMA against its dense base and one on a
-top-any export of a Qwen3-MoE against its native export (subprocesses: the remote code goes into its own
-modules cache)."""
+top-any export of a Qwen3-MoE against its native export, and one --build of a tiny pair (subprocesses: the remote
+code goes into its own modules cache)."""
 
 import json
 import os
@@ -15,6 +15,7 @@ import torch.nn as nn
 from hf_remote_cases import base_model, export_case
 from hf_tiny import randomize, tiny_model
 
+from dynmoe_dist.bench.decode_pair import TINY, build_pair
 from dynmoe_dist.bench.generate import DecodeK, against_native, check, summarize
 from dynmoe_dist.hf import import_moe
 from dynmoe_dist.models.hf.pretrained import dynmoe_section, save_exported
@@ -75,7 +76,9 @@ def test_decode_k_counts_the_decode_steps_only():
 def options(model, **overrides):
     return Namespace(
         **{
-            **dict(model=str(model), base=None, native=None, prompt_tokens=4, new_tokens=4, batch=None, repeats=1),
+            "model": None if model is None else str(model),
+            **dict(base=None, native=None, prompt_tokens=4, new_tokens=4, batch=None, repeats=1),
+            **dict(build=None, tiny=False, target_k=0.0, seed=0),
             "threads": 1,
             **overrides,
         }
@@ -165,3 +168,45 @@ def test_tiny_run_against_the_native_export(tmp_path):
         assert 0 < out["mean_k"] <= model.config.num_experts
         assert out["flops_ratio"] == round(out["mean_k"] / result["native_k"], 4)
         assert out["target_ratio"] == round(out["flops_ratio"] + 0.05, 4) and isinstance(out["meets_target"], bool)
+
+
+def test_bad_build_options_are_one_line_value_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"--model \(an exported directory\) or --build \(DIR\) is needed"):
+        check(options(None))
+    with pytest.raises(ValueError, match=r"--native \('/n'\) and --build \('.*'\): --build makes the models"):
+        check(options(None, native="/n", build=str(tmp_path)))
+    with pytest.raises(ValueError, match=r"--target-k \(9.0\) must be in \(0, num_experts \(8\)\]"):
+        check(options(None, build=str(tmp_path), tiny=True, target_k=9.0))
+    args = options(None, build=str(tmp_path), tiny=True)
+    check(args)
+    assert args.batch == [1, 16]
+    with pytest.raises(ValueError, match=r"--batch \(1 16\): one value without --native or --build"):
+        check(options(tmp_path, batch=[1, 16]))
+
+
+def test_tiny_built_pair_against_its_native(tmp_path):
+    """--build: the stock model, its top-1 view and its top-any export at target k 1.5 are built, load and are
+    timed; the export's decode k is near the budget, the view's is 1; a second build of the same settings is
+    the first, one of other settings is refused."""
+    pair = tmp_path / "pair"
+    result = run_cli(tmp_path, "--build", str(pair), "--tiny", "--target-k", "1.5", "--batch", "1", "4")
+    built = result["built"]
+    assert result["model"] == built["export"] == str(pair / "export") and result["native"] == built["native"]
+    assert built["target_k"] == 1.5 and built["calibrated_k"] == pytest.approx([1.5, 1.5], rel=0.03)
+    assert 0 < built["expert_share"] < 1 and 0 < built["decode_expert_share"] < built["expert_share"]
+    assert result["native_k"] == 2 and set(result["batches"]) == set(result["sanity"]["batches"]) == {"1", "4"}
+    for out in result["batches"].values():
+        assert out["mean_k"] == pytest.approx(1.5, abs=0.5) and out["flops_ratio"] == round(out["mean_k"] / 2, 4)
+        assert out["cases"]["export"]["per_token_ms_median"] > 0 and isinstance(out["meets_target"], bool)
+    for out in result["sanity"]["batches"].values():  # the native top-1 view: k 1, half the FLOPs
+        assert (out["mean_k"], out["flops_ratio"], out["target_ratio"]) == (1.0, 0.5, 0.55)
+    configs = {name: json.loads((pair / path / "config.json").read_text()) for name, path in PAIR_DIRS.items()}
+    assert configs["view"]["num_experts_per_tok"] == 1 and configs["native"]["num_experts_per_tok"] == 2
+    assert "dynmoe" in configs["export"] and "dynmoe" not in configs["native"]
+    again = build_pair(pair, TINY, 1.5, 0)
+    assert {k: again[k] for k in built} == built
+    with pytest.raises(ValueError, match=r"--build \('.*pair'\) holds a pair built with other settings"):
+        build_pair(pair, TINY, 1.0, 0)
+
+
+PAIR_DIRS = {"native": "native", "view": "views/k1", "export": "export"}

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dynmoe_dist.experiments.bpe import EOS, padded_vocab, save_tokenizer, train_bpe
+from dynmoe_dist.data.bpe import EOS, padded_vocab, save_tokenizer, train_bpe
 from dynmoe_dist.experiments.docstrings import build_corpus, clean, file_docstrings, python_files, read_corpus
 
 MODULE = '''"""The module docstring says what this module is for, in a few words."""

@@ -65,12 +65,13 @@ def test_settings_compare_equal_after_a_json_round_trip():
 
 
 def test_the_commands_helpers(tmp_path):
+    from dynmoe_dist.bench import commands
     from dynmoe_dist.experiments import moe_runs
 
-    assert moe_runs.last_json('progress\n{"a": 1}\n{"b": 2}\nwrote it\n') == {"b": 2}
-    with pytest.raises(moe_runs.CommandFailed, match="no JSON line"):
-        moe_runs.last_json("nothing here\n")
+    assert commands.last_json('progress\n{"a": 1}\n{"b": 2}\nwrote it\n') == {"b": 2}
+    with pytest.raises(commands.CommandFailed, match="no JSON line"):
+        commands.last_json("nothing here\n")
     # a failing command: its exit status and the last lines of its stderr, in one line
-    with pytest.raises(moe_runs.CommandFailed, match=r"python -m json.tool .* exited 2: .*No such file"):
-        moe_runs.run_command(["json.tool", str(tmp_path / "missing.json")], {})
+    with pytest.raises(commands.CommandFailed, match=r"python -m json.tool .* exited 2: .*No such file"):
+        commands.run_command(["json.tool", str(tmp_path / "missing.json")], {})
     assert moe_runs.simulated(lambda a, b: a + b, 1, (2, 3)) == [5]  # one rank: in this process
