@@ -1,8 +1,8 @@
 """The remote MoE layer's fast expert paths (models/hf/remote/dynmoe_layers.py) against its reference, the
 loop over the experts in float64: the grouped matmul over the expert-sorted rows (float32 and bfloat16, no
-gradient: generation) and the single-token path (a batch-1 decode step), on tokens that select no expert,
-one and several, for every expert kind and both k = 0 rules; the weights the grouped path stacks follow a
-load and a dtype change."""
+gradient: generation; gate and in as one) and the single-token path (a batch-1 decode step), on tokens that
+select no expert, one and several, for every expert kind and both k = 0 rules; the weights the grouped path
+stacks follow a load and a dtype change; without a gradient the router's gate is bitwise its mask."""
 
 import copy
 
@@ -16,6 +16,12 @@ SPECS = {
     "gated": dict(expert_kind="gated", ffn_dim=F, activation="silu", expert_bias=False),
     "ffn": dict(expert_kind="ffn", ffn_dim=F, activation="gelu_tanh", expert_bias=True),
     "gpt_oss": dict(expert_kind="gpt_oss", ffn_dim=F, activation="silu", swiglu_alpha=1.3, swiglu_limit=0.4),
+}
+# the grouped path's stacked tensors: gate and in as one matmul where the expert has both
+STACKED = {
+    "gated": {"w_gate_in", "w_out"},
+    "ffn": {"w_in", "w_out", "b_in", "b_out"},
+    "gpt_oss": {"w_gate_in", "w_out", "b_gate_in", "b_out"},
 }
 ROUTERS = {
     "equal-skip": dict(router="top_any", train_k0="zero", eval_k0="skip", combine="equal"),
@@ -64,7 +70,7 @@ def test_grouped_matmul_equals_the_float64_loop(kind, router):
         mask_TE = fast.router(tokens().float())[0]
         assert torch.equal(mask_TE, moe.router(tokens())[0])  # the same choices: the experts' math is compared
         got_TD = fast(tokens().float())
-    assert fast.experts._stacked, "the grouped matmul did not run"
+    assert set(fast.experts._stacked) == STACKED[kind], "the grouped matmul did not run, or not gate and in as one"
     torch.testing.assert_close(got_TD.double(), want_TD, rtol=1e-6, atol=1e-6)
     assert want_TD.abs().max() > 0.1
     with torch.enable_grad():  # float32 with gradients: the loop, the same numbers up to float32 rounding
@@ -97,6 +103,27 @@ def test_a_single_token_equals_its_row_of_the_loop(kind, router):
     sum(moe(x_TD[t : t + 1]).square().sum() for t in range(T)).backward()
     for got, want in zip((p.grad for p in moe.parameters()), loop_grads):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_without_a_gradient_the_gate_is_its_mask_exactly(dtype):
+    """Generation skips the straight-through gate: r + (sign(r) - r) is exactly 1 for every r in (0, 1), and the
+    routing (mask and weights, both combine rules, both k = 0 rules) is bitwise the one with gradients."""
+    g = torch.Generator().manual_seed(3)
+    probs_TE = torch.rand(4096, 8, generator=g, dtype=dtype)
+    threshold_E = torch.rand(8, generator=g, dtype=dtype) * torch.tensor([1e-7, 1e-3, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0])
+    mask_TE, gates_TE = remote.threshold_gates(probs_TE.requires_grad_(), threshold_E)
+    assert gates_TE is not None and torch.equal(gates_TE.detach(), mask_TE.to(dtype))
+    no_grad_mask_TE, no_gates = remote.threshold_gates(probs_TE.detach(), threshold_E)
+    assert no_gates is None and torch.equal(no_grad_mask_TE, mask_TE)
+    for options in ROUTERS.values():
+        moe = layer(SPECS["gated"], options).to(dtype)
+        x_TD = tokens().to(dtype)
+        with_grad = moe.router(x_TD)
+        with torch.no_grad():
+            without = moe.router(x_TD)
+        assert with_grad[0].requires_grad is False and with_grad[1].requires_grad
+        assert torch.equal(without[0], with_grad[0]) and torch.equal(without[1], with_grad[1].detach())
 
 
 def test_the_stacked_weights_follow_a_load_and_a_dtype_change():

@@ -78,19 +78,30 @@ def top_any(
     """(mask_TE, weights_TE). The 0/1 gate is a straight-through sign of relu(p - th), so a fine-tune
     still trains the router; tokens with k = 0 get the top-1 fallback (k0_mode 'top1') or nothing."""
     probs_TE = torch.sigmoid(cosine_scores(x_TD, gate_ED))
-    r_TE = F.relu(probs_TE - torch.sigmoid(threshold_E.to(probs_TE.dtype)))
-    gates_TE = r_TE + (torch.sign(r_TE) - r_TE).detach()
-    mask_TE = gates_TE.detach() > 0
+    mask_TE, gates_TE = threshold_gates(probs_TE, torch.sigmoid(threshold_E.to(probs_TE.dtype)))
     num_selected_T = mask_TE.sum(dim=-1)
     if combine == "softmax":
-        weights_TE = gates_TE * chosen_softmax(x_TD, gate_ED, mask_TE)
+        chosen_TE = chosen_softmax(x_TD, gate_ED, mask_TE)
+        weights_TE = chosen_TE if gates_TE is None else gates_TE * chosen_TE
     else:
-        weights_TE = gates_TE / num_selected_T.clamp(min=1).unsqueeze(-1).to(gates_TE.dtype)
-    if k0_mode == "top1":
-        best_TE = F.one_hot(probs_TE.detach().argmax(dim=-1), probs_TE.shape[-1]).bool()
+        ones_TE = mask_TE.to(probs_TE.dtype) if gates_TE is None else gates_TE
+        weights_TE = ones_TE / num_selected_T.clamp(min=1).unsqueeze(-1).to(ones_TE.dtype)
+    if k0_mode == "top1":  # a scatter, not F.one_hot: that checks the indices' range with a host read
+        best_TE = torch.zeros_like(mask_TE).scatter_(-1, probs_TE.detach().argmax(dim=-1, keepdim=True), True)
         fallback_TE = best_TE & (num_selected_T == 0).unsqueeze(-1)
         mask_TE, weights_TE = mask_TE | fallback_TE, weights_TE + fallback_TE.to(weights_TE.dtype)
     return mask_TE, weights_TE
+
+
+def threshold_gates(probs_TE: Tensor, threshold_E: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+    """(mask_TE, gates_TE): p > th, and the straight-through gate r + (sign(r) - r).detach() of r = relu(p - th)
+    when a gradient is wanted. Without one the gate is None: its value is the mask exactly (r + (1 - r) rounds
+    to 1 for r in (0, 1), and p - th > 0 exactly when p > th), and generation skips its five operations."""
+    if not (probs_TE.requires_grad or threshold_E.requires_grad):
+        return probs_TE > threshold_E, None
+    r_TE = F.relu(probs_TE - threshold_E)
+    gates_TE = r_TE + (torch.sign(r_TE) - r_TE).detach()
+    return gates_TE.detach() > 0, gates_TE
 
 
 def top_k(logits_TE: Tensor, k: int, choice_bias_E: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
@@ -156,6 +167,10 @@ def clamped_swiglu(gate_RF: Tensor, up_RF: Tensor, alpha: float, limit: float) -
     return (up_RF + 1) * (gate_RF * torch.sigmoid(gate_RF * alpha))
 
 
+GateAndIn = Callable[[Tensor], Tuple[Optional[Tensor], Tensor]]
+"""rows -> (gate projection, None for an ungated expert; in projection)."""
+
+
 class DynMoEExpert(nn.Module):
     """One expert: 'gated' (w_out(act(w_gate x) * w_in x)), 'ffn' (w_out act(w_in x + b_in) + b_out) or
     'gpt_oss' (w_out clamped_swiglu(w_gate x + b_gate, w_in x + b_in) + b_out, biases always)."""
@@ -177,20 +192,27 @@ class DynMoEExpert(nn.Module):
         self.b_in = _bias(ffn_dim, bias)
         self.b_out = _bias(dim, bias)
 
-    def compute(self, rows_RD: Tensor, linear: Callable[[Tensor, str], Tensor]) -> Tensor:
-        """The expert's math with ``linear(rows, 'in' / 'gate' / 'out')`` for its projections: this expert's
-        own weights (forward) or every expert's at once over rows grouped by expert (DynMoEExperts.grouped)."""
-        hidden_RF = linear(rows_RD, "in")
+    def compute(self, rows_RD: Tensor, gate_and_in: GateAndIn, out: Callable[[Tensor], Tensor]) -> Tensor:
+        """The expert's math with ``gate_and_in(rows)`` for its first projections (gate, None for an ungated
+        expert, and in) and ``out(hidden)`` for the last: this expert's own weights (forward), or every expert's
+        at once over rows grouped by expert, gate and in as one matmul (DynMoEExperts.grouped)."""
+        gate_RF, hidden_RF = gate_and_in(rows_RD)
         if self.swiglu is not None:
-            hidden_RF = clamped_swiglu(linear(rows_RD, "gate"), hidden_RF, *self.swiglu)
-        elif self.gated:
-            hidden_RF = self.act(linear(rows_RD, "gate")) * hidden_RF
+            hidden_RF = clamped_swiglu(cast(Tensor, gate_RF), hidden_RF, *self.swiglu)
+        elif gate_RF is not None:
+            hidden_RF = self.act(gate_RF) * hidden_RF
         else:
             hidden_RF = self.act(hidden_RF)
-        return linear(hidden_RF, "out")
+        return out(hidden_RF)
 
     def forward(self, rows_RD: Tensor) -> Tensor:
-        return self.compute(rows_RD, self.own_linear)
+        return self.compute(rows_RD, self.own_gate_and_in, self.own_out)
+
+    def own_gate_and_in(self, rows_RD: Tensor) -> Tuple[Optional[Tensor], Tensor]:
+        return (self.own_linear(rows_RD, "gate") if self.gated else None), self.own_linear(rows_RD, "in")
+
+    def own_out(self, hidden_RF: Tensor) -> Tensor:
+        return self.own_linear(hidden_RF, "out")
 
     def own_linear(self, rows: Tensor, name: str) -> Tensor:
         return _linear(rows, getattr(self, "w_" + name), getattr(self, "b_" + name))
@@ -292,7 +314,8 @@ class DynMoEExperts(nn.Module):
         return torch.cat([expert(rows) if rows.shape[0] else rows for expert, rows in zip(self.experts, chunks)])
 
     def grouped(self, rows_RD: Tensor, expert_R: Tensor, count_E: Tensor) -> Tensor:
-        """Every expert at once: one grouped matmul per projection over the expert-sorted rows."""
+        """Every expert at once: one grouped matmul per projection over the expert-sorted rows, gate and in
+        as one (as transformers' gate_up_proj)."""
         stacked = self.stacked_weights()
         offsets_E = count_E.cumsum(0).to(torch.int32)
 
@@ -302,22 +325,51 @@ class DynMoEExperts(nn.Module):
             bias = stacked.get("b_" + name)
             return out if bias is None else out + bias.to(rows.dtype).index_select(0, expert_R)
 
-        return cast(DynMoEExpert, self.experts[0]).compute(rows_RD, linear)
+        def gate_and_in(rows: Tensor) -> Tuple[Optional[Tensor], Tensor]:
+            if "w_gate_in" not in stacked:
+                return None, linear(rows, "in")
+            gate_RF, in_RF = linear(rows, "gate_in").chunk(2, dim=-1)
+            return gate_RF, in_RF
+
+        return cast(DynMoEExpert, self.experts[0]).compute(rows_RD, gate_and_in, lambda h: linear(h, "out"))
+
+    def addresses(self) -> Tuple[int, ...]:
+        return tuple(p.data_ptr() for e in self.experts for p in cast(DynMoEExpert, e).weights().values())
 
     def stacked_weights(self) -> Dict[str, Tensor]:
-        """{name: (E, ...)} of the experts' weights. Built on first use, then every expert's parameters are
-        re-pointed into it (views, no second copy in memory; a save clones them apart); rebuilt when a
-        parameter has moved (a load, .to(), a new expert)."""
-        weights = [cast(DynMoEExpert, expert).weights() for expert in self.experts]
-        at = tuple(p.data_ptr() for named in weights for p in named.values())
-        if at != self._stacked_at:
+        """{name: (E, ...)} of the experts' weights (stack_layout). Built on first use, then every expert's
+        parameters are re-pointed into it (views, no second copy in memory; a save clones them apart); rebuilt
+        when a parameter has moved (a load, .to(), a new expert)."""
+        if self.addresses() != self._stacked_at:
+            weights = [cast(DynMoEExpert, expert).weights() for expert in self.experts]
+            layout = stack_layout(list(weights[0]))
             with torch.no_grad():
-                self._stacked = {name: torch.stack([named[name] for named in weights]) for name in weights[0]}
-                for e, named in enumerate(weights):
-                    for name, p in named.items():
-                        p.data = self._stacked[name][e]
-            self._stacked_at = tuple(p.data_ptr() for named in weights for p in named.values())
+                self._stacked = {
+                    name: torch.stack([torch.cat([named[part] for part in parts]) for named in weights])
+                    for name, parts in layout.items()
+                }
+                for name, parts in layout.items():
+                    for e, named in enumerate(weights):
+                        views = self._stacked[name][e].split([named[part].shape[0] for part in parts])
+                        for part, view in zip(parts, views):
+                            named[part].data = view
+            self._stacked_at = self.addresses()
         return self._stacked
+
+
+FUSED: Dict[str, Tuple[str, ...]] = {"w_gate_in": ("w_gate", "w_in"), "b_gate_in": ("b_gate", "b_in")}
+"""The stacked tensors that hold two of an expert's, concatenated along the output dimension (gate first)."""
+
+
+def stack_layout(names: List[str]) -> Dict[str, Tuple[str, ...]]:
+    """{stacked name: the expert tensors it holds}: gate and in as one where the expert has both (one grouped
+    matmul instead of two), every other tensor alone under its own name."""
+    layout: Dict[str, Tuple[str, ...]] = {
+        fused: parts for fused, parts in FUSED.items() if all(part in names for part in parts)
+    }
+    taken = {part for parts in layout.values() for part in parts}
+    layout.update({name: (name,) for name in names if name not in taken})
+    return layout
 
 
 class DynMoELayer(nn.Module):
