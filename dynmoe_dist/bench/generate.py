@@ -1,5 +1,5 @@
-"""`python -m dynmoe_dist.bench generate --model DIR [--base BASE | --native NATIVE]`: time per new token of an
-exported DynMoE model, loaded the way users load it (plain ``AutoModelForCausalLM.from_pretrained(DIR,
+"""`python -m dynmoe_dist.bench generate --model DIR [--base BASE | --native NATIVE] | --build DIR`: time per new
+token of an exported DynMoE model, loaded the way users load it (plain ``AutoModelForCausalLM.from_pretrained(DIR,
 trust_remote_code=True)``), against the dense base model it was upcycled from, or (``--native``) against the
 native export of the same pre-trained MoE (its stock directory, transformers' own fused experts).
 
@@ -49,6 +49,8 @@ NATIVE_BATCHES = [1, 16]  # --batch's default with --native; one sequence otherw
 TARGET_SLACK = 0.05
 """The decode-time target with --native: export / native at most the FLOPs ratio plus this."""
 REEXPORT = "re-export with: python -m dynmoe_dist.export CHECKPOINT --out DIR"
+BUILD_ONLY = {"tiny": False, "target_k": 0.0, "seed": 0}
+"""Options that only --build reads -> their defaults."""
 REMOTE_FORMATS = (2, 3)
 """Export formats whose remote code this transformers loads (models/hf/remote reads both)."""
 
@@ -63,6 +65,9 @@ def check(args: argparse.Namespace) -> None:
     if args.build is not None:
         check_build(args)
         return
+    for name, unset in BUILD_ONLY.items():
+        if getattr(args, name) != unset:
+            raise ValueError(f"--{name.replace('_', '-')} ({getattr(args, name)}) goes with --build DIR only")
     if args.model is None:
         raise ValueError("--model (an exported directory) or --build (DIR) is needed")
     section = read_config(args.model, "model").get("dynmoe")
@@ -282,13 +287,15 @@ def built_comparison(args: argparse.Namespace) -> Dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dynmoe_dist.bench generate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m dynmoe_dist.bench generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="an exported directory (python -m dynmoe_dist.export)")
     parser.add_argument("--base", default=None, help="the dense base model (default: the export's dynmoe.base_model)")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--native", default=None, help="the native export of the same MoE (its stock directory)")
-    parser.add_argument("--batch", type=int, nargs="+", default=None, help="with --native: several (default 1 16)")
+    parser.add_argument(
+        "--batch", type=int, nargs="+", default=None, help="with --native or --build: several (default 1 16)"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--build", default=None, help="build the native, its top-k/2 view and a top-any export here")

@@ -177,6 +177,8 @@ def test_bad_build_options_are_one_line_value_errors(tmp_path):
         check(options(None, native="/n", build=str(tmp_path)))
     with pytest.raises(ValueError, match=r"--target-k \(9.0\) must be in \(0, num_experts \(8\)\]"):
         check(options(None, build=str(tmp_path), tiny=True, target_k=9.0))
+    with pytest.raises(ValueError, match=r"--target-k \(1.5\) goes with --build DIR only"):
+        check(options(tmp_path, target_k=1.5))
     args = options(None, build=str(tmp_path), tiny=True)
     check(args)
     assert args.batch == [1, 16]
