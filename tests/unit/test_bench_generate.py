@@ -135,6 +135,8 @@ def test_bad_native_options_are_one_line_value_errors(tmp_path):
 
 
 def run_cli(tmp_path, *args):
+    """The CLI's JSON for one repeat of 3 new tokens. Its decode times are differences of two timed runs, which a
+    loaded machine can make negative: the tests check their presence, never their sign."""
     env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "dynmoe_dist.bench", "generate", *args]
     cmd += ["--prompt-tokens", "4", "--new-tokens", "3", "--repeats", "1", "--threads", "1"]
@@ -148,9 +150,10 @@ def test_tiny_run_prints_json(tmp_path):
     base_model("llama", 16).save_pretrained(tmp_path / "base")
     result = run_cli(tmp_path, "--model", str(tmp_path / "moe"), "--base", str(tmp_path / "base"))
     assert result["benchmark"] == "generate" and result["new_tokens"] == 3 and result["batch"] == 1
-    for case in ("dense", "moe"):
-        assert result["cases"][case]["per_token_ms_median"] > 0 and result["cases"][case]["prefill_ms_median"] > 0
-    assert result["moe_over_dense_per_token"] > 0
+    for case in ("dense", "moe"):  # a decode time is a difference of two timings: no sign (run_cli)
+        assert isinstance(result["cases"][case]["per_token_ms_median"], float)
+        assert result["cases"][case]["prefill_ms_median"] > 0
+    assert isinstance(result["moe_over_dense_per_token"], float)
 
 
 def test_tiny_run_against_the_native_export(tmp_path):
@@ -164,7 +167,7 @@ def test_tiny_run_against_the_native_export(tmp_path):
     )
     assert result["native_k"] == model.config.num_experts_per_tok and set(result["batches"]) == {"1", "3"}
     for out in result["batches"].values():
-        assert out["cases"]["native"]["per_token_ms_median"] > 0 and out["cases"]["export"]["per_token_ms_median"] > 0
+        assert all(isinstance(out["cases"][case]["per_token_ms_median"], float) for case in ("native", "export"))
         assert 0 < out["mean_k"] <= model.config.num_experts
         assert out["flops_ratio"] == round(out["mean_k"] / result["native_k"], 4)
         assert out["target_ratio"] == round(out["flops_ratio"] + 0.05, 4) and isinstance(out["meets_target"], bool)
@@ -199,8 +202,7 @@ def test_tiny_built_pair_against_its_native(tmp_path):
     assert result["native_k"] == 2 and set(result["batches"]) == set(result["sanity"]["batches"]) == {"1", "4"}
     for out in result["batches"].values():
         assert out["mean_k"] == pytest.approx(1.5, abs=0.5) and out["flops_ratio"] == round(out["mean_k"] / 2, 4)
-        # no timing assertion: one repeat of 3 tokens on a loaded machine can time a decode step below 0
-        assert isinstance(out["cases"]["export"]["per_token_ms_median"], float)
+        assert isinstance(out["cases"]["export"]["per_token_ms_median"], float)  # no sign (run_cli)
         assert isinstance(out["meets_target"], bool)
     for out in result["sanity"]["batches"].values():  # the native top-1 view: k 1, half the FLOPs
         assert (out["mean_k"], out["flops_ratio"], out["target_ratio"]) == (1.0, 0.5, 0.55)
