@@ -40,7 +40,7 @@ import torch.nn as nn
 from .data.tokenizers import load_tokenizer
 from .models.build import build_model
 from .models.hf.export_files import MAX_SHARD_SIZE, prepare_out_dir, shard_size_bytes
-from .models.lora import apply_lora, expert_config, fill_whole, held_experts, round_base, rounded_base_experts
+from .models.lora import apply_lora, expert_config, fill_whole, held_experts, round_base
 from .models.lora_export import export_lora
 from .models.source import ModelSource
 from .moe.experts import expert_key
@@ -53,7 +53,7 @@ from .train.checkpoint import (
     read_checkpoint_meta,
     saved_expert_counts,
 )
-from .train.checkpoint_base import FROZEN_BASE, recipe_from, with_frozen
+from .train.checkpoint_base import FROZEN_BASE, FrozenBase, LayerBase, recipes_from
 from .train.model_files import checked_base, checked_definition, tokenizer_path
 from .train.progress import WaitBar
 
@@ -69,15 +69,18 @@ def read_checkpoint(checkpoint: Path):
     return meta, run
 
 
-def fill_experts(model: nn.Module, experts: Mapping[str, Dict], meta: Dict, where: Path, base=None) -> None:
+def fill_experts(
+    model: nn.Module, experts: Mapping[str, Dict], meta: Dict, where: Path, base: Optional[FrozenBase] = None
+) -> None:
     """Each MoE layer at the checkpoint's expert count, its experts in logical-id order (replicas were
-    saved once). ``base`` (a checkpoint without the frozen base): the source's base experts, from which each
-    expert's frozen weights are rebuilt (train/checkpoint_base.py)."""
+    saved once). ``base`` (a checkpoint without the frozen base): the source's base experts and how the run
+    stored them, from which each expert's frozen weights are rebuilt as the run formed them
+    (train/checkpoint_base.py)."""
     counts = saved_expert_counts(meta)
     layers = find_moe_layers(model)
     if len(layers) != len(counts):
         raise ValueError(f"{where}: the checkpoint has {len(counts)} MoE layers, the run's model {len(layers)}")
-    recipes = meta["states"]["experts"].get("recipes")
+    recipes = recipes_from(meta["states"]["experts"]) if base is not None else []
     for index, ((_, layer), count) in enumerate(zip(layers, counts)):
         keys = [expert_key(index, e) for e in range(count)]
         missing = [key for key in keys if key not in experts]
@@ -85,11 +88,8 @@ def fill_experts(model: nn.Module, experts: Mapping[str, Dict], meta: Dict, wher
             raise ValueError(f"{where}: expert {missing[0]} (layer/logical id) is in no experts_ep* file")
         params = [experts[key]["params"] for key in keys]
         if base is not None:
-            like = layer.router.weight
-            params = [
-                with_frozen(named, recipe_from(recipe), index, layer.config, like, base)
-                for named, recipe in zip(params, recipes[index])
-            ]
+            rebuild = LayerBase(index, layer.config, layer.router.weight, base, recipes[index].formed)
+            params = [rebuild.with_frozen(named, recipe) for named, recipe in zip(params, recipes[index].experts)]
         rebuild_experts(layer, count, params)
 
 
@@ -147,7 +147,7 @@ def export(
         else:  # the frozen base read from model.path as a fresh run reads it
             source.place(torch.device("cpu"), dtype)
             source.fill(held_experts(source.model), torch.device("cpu"), fill_whole)
-        base_experts = None if whole else rounded_base_experts(source.base_expert, run.lora)
+        base_experts = None if whole else FrozenBase(source.base_expert, run.lora.base_dtype)
         fill_experts(source.model, experts, meta, checkpoint, base_experts)
         fill_dense(source.model, dense, checkpoint, whole)
         round_base(source.model, run.lora)  # a low-precision base as the run held it, widened: merged onto that

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Callable, Dict, List, Mapping, Sequence, Tuple, Union, cast
+from typing import Callable, Dict, List, Sequence, Tuple, Union, cast
 
 import torch
 import torch.nn as nn
@@ -45,8 +45,6 @@ _SHARED = (".shared_experts.", ".shared_expert.")
 # Qwen2-MoE's shared_expert_gate, a (1, D) projection scaling the shared expert: a gate of the sparse block, as
 # its router is, not a dense MLP (under 'dense_mlp' it took a rank-1 adapter, and any rank above 1 was refused)
 _GATES = (".shared_expert_gate.",)
-# (MoE layer, base expert) -> its weights by parameter name (models.source's base_expert)
-BaseExperts = Callable[[int, int], Mapping[str, Tensor]]
 
 
 @dataclass
@@ -245,24 +243,6 @@ def expert_base(model: nn.Module) -> List[Tensor]:
         for weight in (getattr(expert, attr, None) for attr in frozen_base.EXPERT_WEIGHTS)
         if weight is not None and not weight.requires_grad
     ]
-
-
-def rounded_base_experts(base: BaseExperts, lora: LoraConfig) -> BaseExperts:
-    """``base`` (models.source's ``base_expert``: a base expert's weights by name) with its frozen weights as a
-    bf16 base held them, widened: a resumed or exported expert that an event formed from stored experts is formed
-    from the same values. An NF4 base's are left as read: re-quantising dequantised NF4 weights rounds them again
-    (so an NF4 expert an event formed resumes within NF4's rounding of the run's; the base's own ones exactly)."""
-    if not lora.enabled or lora.base_dtype != "bfloat16":
-        return base
-
-    def rounded(layer: int, expert: int) -> Mapping[str, Tensor]:
-        weights = base(layer, expert)
-        return {
-            name: w.to(torch.bfloat16).to(w.dtype) if name in frozen_base.EXPERT_WEIGHTS else w
-            for name, w in weights.items()
-        }
-
-    return rounded
 
 
 def replicated_base(model: nn.Module, lora: LoraConfig) -> List[nn.Parameter]:

@@ -77,10 +77,16 @@ def combine_experts(
 
 def random_expert(config: MoEConfig, seed: int, like: Tensor) -> Expert:
     """A freshly initialised expert, identical on every rank (seeded by the plan); its frozen base stored."""
+    return cast(Expert, store_expert(drawn_expert(config, seed, like), config.base_dtype))
+
+
+def drawn_expert(config: MoEConfig, seed: int, like: Tensor) -> nn.Module:
+    """``random_expert`` before its frozen base is stored: on ``like``'s device and dtype, drawn on the host from
+    ``seed`` (the run's generator left where it was)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         module = new_expert(config)
-    return cast(Expert, store_expert(module.to(device=like.device, dtype=like.dtype), config.base_dtype))
+    return module.to(device=like.device, dtype=like.dtype)
 
 
 # -- 2. point-to-point moves with optimizer state ----------------------------------------------------

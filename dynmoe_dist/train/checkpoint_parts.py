@@ -31,14 +31,7 @@ from ..parallel.fsdp import full
 from ..parallel.groups import ParallelGroups
 from ..parallel.reshard import owner_files_needed
 from ..planning.placement import Placement
-from .checkpoint_base import (
-    FROZEN_BASE,
-    BaseExperts,
-    frozen_names,
-    recipe_from,
-    trained_dense_tensors,
-    with_frozen,
-)
+from .checkpoint_base import FROZEN_BASE, FrozenBase, LayerBase, frozen_names, recipes_from, trained_dense_tensors
 from .dense_state import DENSE_DIR, CheckpointError, NamedParams, load_dense, save_dense
 from .experts import ExpertPayload, ExpertSet, saved_placements
 from .parts import TrainParts
@@ -122,7 +115,7 @@ class ExpertFiles:
     experts in the owners' files. With ``base`` (a LoRA run: train/checkpoint_base.py) only what trains is
     written, each expert's recipe beside the layout, and a resume rebuilds the frozen weights from ``base``."""
 
-    def __init__(self, experts: ExpertSet, groups: ParallelGroups, base: Optional[BaseExperts] = None):
+    def __init__(self, experts: ExpertSet, groups: ParallelGroups, base: Optional[FrozenBase] = None):
         self.experts = experts
         self.groups = groups
         self.base = base
@@ -162,24 +155,23 @@ def with_frozen_base(
     placements: Sequence[Placement],
     layers: Sequence[MoELayer],
     ep_rank: int,
-    base: BaseExperts,
+    base: FrozenBase,
 ) -> Dict[str, Any]:
     """A LoRA checkpoint's experts entry made whole: the experts this rank will hold (under ``placements``) and
     every discarded expert get their frozen weights rebuilt from their recipes (``payload`` completed in place)."""
     discarded = list(entry["discarded"])
-    for index, (layer, placement) in enumerate(zip(layers, placements)):
-        like = layer.router.weight
+    for index, (layer, placement, recipes) in enumerate(zip(layers, placements, recipes_from(entry))):
+        rebuild = LayerBase(index, layer.config, layer.router.weight, base, recipes.formed)
         for expert in placement.experts_on(ep_rank):
             # an expert none of whose parameters trains (LoRA without 'routed_experts') saved nothing
             saved = payload.setdefault(expert_key(index, expert), {"params": {}, "state": {}})
-            recipe = recipe_from(entry["recipes"][index][expert])
             saved["frozen"] = frozen_names(saved["params"], layer.config)  # stay frozen; an added expert may train
-            saved["params"] = with_frozen(saved["params"], recipe, index, layer.config, like, base)
+            saved["params"] = rebuild.with_frozen(saved["params"], recipes.experts[expert])
         if discarded[index] is not None:
-            recipe = recipe_from(entry["discarded_recipes"][index])
+            assert recipes.discarded is not None, "a remembered discarded expert has a recipe"
             names = [name for name, _ in expert_param_specs(layer.config)]
             kept = {name: t for name, t in zip(names, discarded[index]) if t is not None}
-            discarded[index] = list(with_frozen(kept, recipe, index, layer.config, like, base).values())
+            discarded[index] = list(rebuild.with_frozen(kept, recipes.discarded).values())
     return {**entry, "discarded": discarded}
 
 
@@ -201,10 +193,10 @@ class DenseFiles:
         load_dense(dense_directory(directory), self.params(), self.optimizer, self.groups)
 
 
-def weight_parts(parts: TrainParts, base: Optional[BaseExperts] = None) -> Dict[str, Any]:
+def weight_parts(parts: TrainParts, base: Optional[FrozenBase] = None) -> Dict[str, Any]:
     """The checkpoint parts that hold a run's weights and their optimizer state, by part name: the expert
     set and the dense state (the trainer adds its small Stateful parts beside them). ``base``: a LoRA run's
-    base experts (models.source ``base_expert``); its checkpoints then hold only what trains
+    base experts (models.source ``base_expert``) and how it stores them; its checkpoints then hold only what trains
     (train/checkpoint_base.py), every weight otherwise."""
     dense = trained_dense_tensors if base is not None else dense_state_tensors
     return {

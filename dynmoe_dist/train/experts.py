@@ -34,14 +34,7 @@ from ..parallel.reshard import local_expert_parameters, owned_expert_parameters,
 from ..parallel.shard import LayerShard
 from ..planning.placement import Placement
 from ..planning.planner import LayerPlan, Plan
-from .checkpoint_base import (
-    FROZEN_BASE,
-    Recipe,
-    base_recipes,
-    planned_recipes,
-    recipe_entry,
-    recipe_from,
-)
+from .checkpoint_base import FROZEN_BASE, LayerRecipes, recipes_entry, recipes_from
 from .optim import ExpertOptimizerState, refresh_param_groups
 
 ExpertPayload = Dict[str, Dict[str, Any]]
@@ -64,8 +57,7 @@ class ExpertSet:
         self._optimizer = optimizer
         self._groups = groups
         self._discarded: List[Optional[List[Tensor]]] = [None] * len(self._shards)
-        self._recipes: List[List[Recipe]] = [base_recipes(shard.placement.num_experts) for shard in self._shards]
-        self._discarded_recipes: List[Optional[Recipe]] = [None] * len(self._shards)
+        self._recipes = [LayerRecipes.of_base(shard.placement.num_experts) for shard in self._shards]
 
     # -- read-only views ---------------------------------------------------------------------------
     @property
@@ -103,9 +95,7 @@ class ExpertSet:
             self._shards[lp.layer], self._discarded[lp.layer] = apply_layer_plan(
                 lp, before, self._optimizer, self._groups, self._discarded[lp.layer]
             )
-            self._recipes[lp.layer], self._discarded_recipes[lp.layer] = planned_recipes(
-                lp, self._recipes[lp.layer], self._discarded_recipes[lp.layer]
-            )
+            self._recipes[lp.layer] = self._recipes[lp.layer].planned(lp)
             if lp.changes_experts() or lp.placement != before.placement:
                 changed.append(lp)
         self._commit()
@@ -145,8 +135,7 @@ class ExpertSet:
         }
         if trainable_only:
             layout[FROZEN_BASE] = "model.path"
-            layout["recipes"] = [[recipe_entry(r) for r in recipes] for recipes in self._recipes]
-            layout["discarded_recipes"] = [None if r is None else recipe_entry(r) for r in self._discarded_recipes]
+            layout.update(recipes_entry(self._recipes))
         return layout
 
     def _saved_discarded(self, index: int, trainable_only: bool) -> Optional[List[Optional[Tensor]]]:
@@ -188,11 +177,9 @@ class ExpertSet:
             for d, layer in zip(self._discarded, self.layers)
         ]
         if "recipes" in state:
-            self._recipes = [[recipe_from(r) for r in recipes] for recipes in state["recipes"]]
-            self._discarded_recipes = [None if r is None else recipe_from(r) for r in state["discarded_recipes"]]
+            self._recipes = recipes_from(state)
         else:  # a checkpoint that saved every weight: the recipes matter only to a LoRA run, which refuses it
-            self._recipes = [base_recipes(p.num_experts) for p in self.placements]
-            self._discarded_recipes = [None] * len(self)
+            self._recipes = [LayerRecipes.of_base(p.num_experts) for p in self.placements]
 
     def resume_placements(self, state: Mapping[str, Any]) -> List[Placement]:
         return [resume_placement(p, self._groups.ep_size) for p in saved_placements(state)]

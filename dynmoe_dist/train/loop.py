@@ -16,13 +16,14 @@ import torch
 
 from ..config import RunConfig
 from ..models.build import build_model
-from ..models.lora import expert_config, rounded_base_experts
+from ..models.lora import expert_config
 from ..moe.balance import Balancers
 from ..moe.layer import MoELayer
 from ..parallel.groups import ParallelGroups, current_world_size, sum_over_ranks
 from ..planning.packing import rank_loads as rank_loads_of
 from ..tasks import build_task
 from .checkpoint import CheckpointManager, Part
+from .checkpoint_base import FrozenBase
 from .checkpoint_parts import weight_parts
 from .data import BatchSchedule, eval_ranges, shard
 from .model_files import ModelFiles
@@ -95,9 +96,9 @@ class Trainer:
     def is_rank0(self) -> bool:
         return self.parts.groups.rank == 0
 
-    def base_experts(self):
-        """The base's experts as this run holds them (a bf16 base's rounded): what a resume rebuilds experts from."""
-        return rounded_base_experts(self.source.base_expert, self.config.lora)
+    def frozen_base(self) -> FrozenBase:
+        """The base's experts and how this run stores them: what a resume rebuilds the experts' frozen weights from."""
+        return FrozenBase(self.source.base_expert, self.config.lora.base_dtype)
 
     def checkpoint_manager(self, adaptive=None) -> CheckpointManager:
         """The run's checkpoints: this loop, the expert set, the dense state, the recorders and, with
@@ -106,7 +107,7 @@ class Trainer:
         states: Dict[str, Part] = {
             "trainer": self,
             # a LoRA run's checkpoints hold what trains; the frozen base is rebuilt from model.path
-            **weight_parts(parts, self.base_experts() if self.config.lora.enabled else None),
+            **weight_parts(parts, self.frozen_base() if self.config.lora.enabled else None),
             "recorders": self.recorders,
             "model": ModelFiles(self.source, self.config, parts.groups),
         }

@@ -85,16 +85,25 @@ def run_through_event(root, case):
 
 
 def added_experts(trainer, records):
-    recipes = trainer.parts.experts.layout(trainable_only=True)["recipes"]
+    layout = trainer.parts.experts.layout(trainable_only=True)
     modules = experts_by_id(trainer)
     found = []
     for record in records:
         for entry in record.get("added", []):
             layer, expert = record["layer"], entry["expert"]
-            found.append((layer, expert, recipes[layer][expert], dict(modules[layer][expert].named_parameters())))
+            recipe = formed_from(layout, layer, layout["recipes"][layer][expert])
+            found.append((layer, expert, recipe, dict(modules[layer][expert].named_parameters())))
     assert found, "the event must add an expert"
     # what they are now: the live parameters train on (their optimizer state is read two steps later)
     return [(*entry, {n: (p.detach().clone(), p.requires_grad) for n, p in entry[3].items()}) for entry in found]
+
+
+def formed_from(layout, layer, recipe):
+    """The combination of old experts an event formed an expert from ('formed/I' names it in the layer's table); a
+    seeded random expert's recipe as it is."""
+    [(term, _)] = recipe
+    kind, _, number = term.partition("/")
+    return layout["formed_recipes"][layer][int(number)] if kind == "formed" else recipe
 
 
 def first_moments(trainer, added):

@@ -3,10 +3,11 @@
 The tiny imported Qwen3-MoE converted to top-any (8 experts, an adaptive event after step 3 that removes and adds
 experts), one process: the checkpoint after step 4 has no frozen base tensor (DCP's keys are adapters and routers,
 the expert files adapters only, the discarded expert's frozen weights None), every expert a recipe naming the base
-experts its frozen weights come from, and it is a small fraction of a full finetune's. It resumes with the
-uninterrupted run's losses (float64, exactly), so does an upcycled LLaMA's (its experts rebuilt from the dense MLP
-they copy), a float32 run exported from it gives the run's logits (1e-6), and a base whose bytes changed is refused
-at resume and at export in one line naming both hashes and the path."""
+expert its frozen weights come from or the combination an event formed it as (of base or formed experts), and it
+is a small fraction of a full finetune's. It resumes with the uninterrupted run's losses (float64, exactly), so
+does an upcycled LLaMA's (its experts rebuilt from the dense MLP they copy), a float32 run exported from it gives
+the run's logits (1e-6), and a base whose bytes changed is refused at resume and at export in one line naming both
+hashes and the path."""
 
 import json
 import os
@@ -79,8 +80,10 @@ def test_the_checkpoint_holds_no_frozen_base_tensor(root, lora_run):
     for discarded in entry["discarded"]:
         assert discarded is None or sum(t is not None for t in discarded) == 4  # its two adapters, A and B each
     recipes = [recipe for layer in entry["recipes"] for recipe in layer]
-    assert all(term.startswith(("base/", "random/")) for recipe in recipes for term, _ in recipe)
-    assert any(recipe != [[f"base/{e}", 1.0]] for layer in entry["recipes"] for e, recipe in enumerate(layer))
+    formed = [combo for layer in entry["formed_recipes"] for combo in layer]
+    assert all(len(recipe) == 1 and recipe[0][0].startswith(("base/", "random/", "formed/")) for recipe in recipes)
+    assert all(term.startswith(("base/", "random/", "formed/")) for combo in formed for term, _ in combo)
+    assert any(recipe[0][0].startswith("formed/") for recipe in recipes) and formed  # the event's added experts
 
 
 def test_drift_refuses_a_lora_run_in_one_line(root, lora_run):
