@@ -4,8 +4,10 @@ losses in float64 (1e-9), converted to top-any so that adaptive events add, remo
 stored base moving with them bit for bit, new ones stored as the base is), with the dense weights replicated and
 FSDP-sharded (a bf16 base sharded, an NF4 base whole on every rank, its adapters sharded), and a bf16 base's
 experts FSDP-sharded over the world (ep 1); an expert sent as an event sends a replica or a moved expert arrives
-holding the sender's stored bits. Each world's group is spawned once: one run_simulated call trains every case;
-the test checks how every case stores its base. The 3-rank world is marked slow (make test-slow)."""
+holding the sender's stored bits. A bf16 and an NF4 run saved on 2 ranks after the event that added and removed
+experts resume on 3 with the one-process run's losses (1e-9; the NF4 one's added experts re-quantised as the event
+re-quantised them). Each world's group is spawned once: one run_simulated call trains every case; the test checks
+how every case stores its base. The 3-rank world is marked slow (make test-slow)."""
 
 import os
 
@@ -13,14 +15,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hf_tiny import changes, moe_run_settings, save_moe_run_files  # noqa: E402
+from hf_tiny import changes, moe_run_settings, save_moe_run_files, train_saving  # noqa: E402
 
 from dynmoe_dist.config import load_config  # noqa: E402
 from dynmoe_dist.parallel.simulate import run_simulated  # noqa: E402
 
 pytest.importorskip("torchao")
 
-STEPS = 6  # events after steps 3 and 6 (adaptive.period_steps = 3)
+STEPS, SAVE_AT = 6, 4  # events after steps 3 and 6 (adaptive.period_steps = 3)
 LORA = ("lora.enabled=true", "lora.rank=2", "lora.targets=['attention', 'dense_mlp', 'routed_experts']")
 TOP_ANY = (
     "moe.router='top_any'",
@@ -37,6 +39,7 @@ CASES = {
     # every expert on every ep rank (ep 1), FSDP-sharded over the world: a bf16 base gathered and re-sharded at events
     "bfloat16-fsdp-experts": ("lora.base_dtype='bfloat16'", "parallel.expert_sharding='fsdp'", "parallel.ep_size=1"),
 }
+RESUMED = ("bfloat16", "nf4")  # saved on 2 ranks after SAVE_AT steps, resumed on 3
 
 
 def stored_kinds(model):
@@ -53,23 +56,30 @@ def stored_kinds(model):
     return kinds
 
 
-def train_case(root, out, world, extra):
-    """step -> loss, the expert changes of the events, the test loss, how the experts' base is held at the end."""
+def case_settings(root, world, extra):
+    return moe_run_settings(
+        root / "qwen3_moe", root / "corpus.txt", world, *LORA, *TOP_ANY, *extra, steps=STEPS, batch=7
+    )
+
+
+def train_case(root, out, world, extra, save_at=None):
+    """step -> loss, the expert changes of the events, the test loss, how the experts' base is held at the end, the
+    checkpoint written after ``save_at`` steps."""
     from dynmoe_dist.coordination import CollectiveCoordinator
     from dynmoe_dist.train.loop import Trainer
     from dynmoe_dist.train.run import adaptive_controller, calibrate_at_start, step_once
 
-    settings = moe_run_settings(
-        root / "qwen3_moe", root / "corpus.txt", world, *LORA, *TOP_ANY, *extra, steps=STEPS, batch=7
-    )
-    trainer = Trainer(load_config(None, [*settings, f"output.out_dir='{out}'"]))
+    trainer = Trainer(load_config(None, [*case_settings(root, world, extra), f"output.out_dir='{out}'"]))
     adaptive = adaptive_controller(trainer, CollectiveCoordinator(trainer.groups))
+    checkpoints = trainer.checkpoint_manager(adaptive)
     calibrate_at_start(trainer)
-    losses, events = {}, []
+    losses, events, saved = {}, [], None
     while trainer.step < STEPS:
         record, new_events = step_once(trainer, adaptive, [])
         losses[record["step"]] = record["loss"]
         events += changes(new_events)
+        if trainer.step == save_at:
+            saved = checkpoints.save(trainer.step)
     kinds = stored_kinds(trainer.parts.model)
     dense = dense_kinds(trainer.parts.model)
     copied = replica_bits(trainer) if world > 1 else None
@@ -81,6 +91,7 @@ def train_case(root, out, world, extra):
         "kinds": kinds,
         "dense": dense,
         "copied": copied,
+        "checkpoint": str(saved or ""),
     }
 
 
@@ -120,8 +131,18 @@ def dense_kinds(model):
     return sorted(found)
 
 
-def worker(root, world):
-    return {name: train_case(root, root / f"{name}-{world}", world, extra) for name, extra in CASES.items()}
+def worker(root, world, saved=None):
+    """Every case at ep = world; at world 2 the RESUMED ones also saved after SAVE_AT steps; with ``saved`` (name ->
+    checkpoint) those also resumed from it (step -> loss, under (name, 'resumed'))."""
+    results = {}
+    for name, extra in CASES.items():
+        save_at = SAVE_AT if world == 2 and name in RESUMED else None
+        results[name] = train_case(root, root / f"{name}-{world}", world, extra, save_at)
+        if saved and name in saved:
+            out = root / f"{name}-{world}-resumed"
+            _, losses, _, _ = train_saving(case_settings(root, world, extra), out, STEPS, resume=saved[name])
+            results[(name, "resumed")] = losses
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -161,9 +182,34 @@ def test_the_one_rank_runs_store_their_base_and_change_experts(reference):
         assert removed and any(added for *_, added, _ in results["events"]), (name, results["events"])
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # about 30 s and 35 s
-def test_more_ranks_train_like_one(root, reference, world):
-    ranks = run_simulated(worker, world, args=(root, world), timeout_s=900)
+@pytest.fixture(scope="module")
+def two_ranks(root):
+    return run_simulated(worker, 2, args=(root, 2), timeout_s=900)
+
+
+def test_two_ranks_train_like_one(reference, two_ranks):  # about 30 s
+    check_ranks(two_ranks, reference, 2)
+
+
+@pytest.mark.slow
+def test_three_ranks_train_like_one_and_resume_the_two_rank_run(root, reference, two_ranks):  # about 50 s
+    """The RESUMED cases saved on 2 ranks after the event that added and removed experts resume on 3 with the
+    one-process run's losses: the added experts rebuilt as the event formed them (an NF4 one re-quantised from its
+    source's dequantised bits), whatever the world."""
+    saved = {name: two_ranks[0][name]["checkpoint"] for name in RESUMED}
+    assert all(saved.values())
+    assert all(any(added for step, *_, added, _ in reference[name]["events"] if step < SAVE_AT) for name in RESUMED)
+    ranks = run_simulated(worker, 3, args=(root, 3, saved), timeout_s=900)
+    check_ranks(ranks, reference, 3)
+    for rank, results in enumerate(ranks):
+        for name in RESUMED:
+            resumed, want = results[(name, "resumed")], reference[name]["losses"]
+            assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1)), name
+            for step, loss in resumed.items():
+                assert abs(loss - want[step]) <= 1e-9 * abs(want[step]), f"{name} resumed on 3, rank {rank}, {step}"
+
+
+def check_ranks(ranks, reference, world):
     for rank, results in enumerate(ranks):
         for name in CASES:
             assert_alike(results[name], reference[name], f"{name} world {world} rank {rank}")
