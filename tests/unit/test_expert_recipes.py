@@ -79,3 +79,12 @@ def test_an_older_checkpoints_flat_combination_is_summed_from_the_held_base(base
     got = rebuild.frozen_weights((("base/0", 0.5), ("base/1", 0.5)))["w_out"]
     rounded = [base(0, e)["w_out"].to(torch.bfloat16).to(torch.float64) for e in (0, 1)]
     assert torch.equal(got, torch.zeros_like(got) + 0.5 * rounded[0] + 0.5 * rounded[1])
+
+
+def test_an_older_checkpoints_entry_reads_without_a_table_and_its_combination_joins_one():
+    flat = [[["base/0", 0.5], ["base/1", 0.5]], [["base/2", 1.0]]]
+    [recipes] = recipes_from({"recipes": [flat], "discarded_recipes": [None]})
+    assert recipes.formed == () and recipes.experts[0] == (("base/0", 0.5), ("base/1", 0.5))
+    later = recipes.planned(plan([0, 1], [copy_of(0)]))  # a copy of the averaged expert names its combination
+    assert later.formed == ((("base/0", 0.5), ("base/1", 0.5)), (("formed/0", 1.0),))
+    assert later.experts == (recipes.experts[0], (("base/2", 1.0),), (("formed/1", 1.0),))
