@@ -24,6 +24,8 @@ from .moe_markdown import finite
 from .moe_report import VariantRow, paired_loss
 
 BASELINES = ("native", "top_p")
+JUDGED = ("top_any", "top_any_top1")
+"""The families whose every budget is judged against the baselines' line."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ def _name(point: Optional[Point]) -> Optional[str]:
 
 def verdicts(found: Sequence[Point]) -> List[Verdict]:
     best = best_baselines(found)
-    return [judge(p, best) for p in sorted(found, key=lambda p: p.flops) if p.family == "top_any"]
+    return [judge(p, best) for p in sorted(found, key=lambda p: p.flops) if p.family in JUDGED]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -220,6 +222,7 @@ STYLES = {
     "native": dict(color="tab:blue", marker="s", label="native top-k"),
     "top_p": dict(color="dimgrey", marker="^", label="top-p"),
     "top_any": dict(color="tab:red", marker="o", label="top-any (target k), pruning"),
+    "top_any_top1": dict(color="tab:orange", marker="v", label="top-any, train_k0 top1"),
     "balance": dict(color="tab:green", marker="D", label="top-k 2, aux / bias balance"),
 }
 
@@ -239,7 +242,7 @@ def draw_frontier(found: Sequence[Point], out_png: Path) -> Path:
             [p.loss for p in mine],
             xerr=[p.flops_std for p in mine],
             yerr=[p.loss_std for p in mine],
-            linestyle="-" if family == "top_any" else "none",
+            linestyle="-" if family in JUDGED else "none",
             capsize=3,
             **style,
         )

@@ -10,6 +10,8 @@ run per (router, budget, seed):
   top-p-P        routers converted to top-p (Huang et al.) at mass P
   top-any-T      routers converted to DynMoE's top-any, moe.target_k = T (the budget controller holds the mean
                  k there; calibration starts at T), with pruning (adaptive events that only remove)
+  top-any-top1-T the same with moe.train_k0 = 'top1': a token that clears no threshold trains through its
+                 top-1 expert (as it is evaluated) instead of skipping the layer, and the budget counts it
   top-k2-aux     routers converted to top-k 2 with the switch load-balance loss (its default), and
   top-k2-bias    the same with DeepSeek-V3's aux-loss-free balance (moe.balance = 'bias') and no aux loss:
                  load coefficient of variation and held-out loss of the two balance rules
@@ -41,6 +43,9 @@ TOP_PS = (0.3, 0.45, 0.6)
 """Chosen from the pre-trained model's k before any step (held-out data, 2026-12-04): p 0.3, 0.45, 0.6, 0.75 and
 0.9 route 1.31, 1.89, 2.83, 4.44 and 7.71 experts per token, so these three span native top-1 to top-3."""
 TARGET_KS = (1.0, 1.25, 1.5, 1.75, 2.0)
+TOP1_TARGET_KS = (1.25, 1.5)
+"""The budgets where top-any's tokens that choose nothing cost it most (9-18 % and 3-10 % of a layer's
+tokens at the end of the plain runs); at 1.0 train_k0 'top1' leaves the thresholds nothing to choose."""
 TOP_ANY_COMBINE = "softmax"
 """The router's probabilities renormalised over the chosen experts: moe-finetune measured it the better rule
 for this model at step 0 (6.593 against 6.643 for DynMoE's 1/k)."""
@@ -81,6 +86,17 @@ def variants() -> List[Variant]:
             overrides=(f"moe.target_k={t}", f"moe.combine='{TOP_ANY_COMBINE}'", *PRUNING_ONLY),
         )
         for t in TARGET_KS
+    ]
+    found += [
+        Variant(
+            f"top-any-top1-{t:g}",
+            f"top-any, target k {t:g}, train_k0 top1",
+            "top_any_top1",
+            "top_any",
+            True,
+            overrides=(f"moe.target_k={t}", f"moe.combine='{TOP_ANY_COMBINE}'", "moe.train_k0='top1'", *PRUNING_ONLY),
+        )
+        for t in TOP1_TARGET_KS
     ]
     found += [
         Variant("top-k2-aux", "top-k 2 + switch aux loss", "balance", "top_k", False, overrides=("moe.top_k=2",)),

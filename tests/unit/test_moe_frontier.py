@@ -54,6 +54,17 @@ def test_a_budget_outside_the_baselines_range_is_not_judged():
     assert "outside the baselines" in frontier_report.verdict_table([verdict])
 
 
+def test_top_any_that_trains_every_token_through_an_expert_is_judged_too_and_configured_so():
+    found = [point("k1", "native", 0.5, 5.0), point("k2", "native", 1.0, 4.8)]
+    found += [point("any", "top_any", 0.7, 4.95), point("floor", "top_any_top1", 0.75, 4.85, 0.005)]
+    assert [(v.name, v.pays) for v in verdicts(found)] == [("any", False), ("floor", True)]
+    by_name = {v.name: v for v in moe_frontier.variants()}
+    floor = by_name["top-any-top1-1.25"]
+    assert floor.family == "top_any_top1" and floor.router == "top_any" and floor.adaptive
+    assert {"moe.target_k=1.25", "moe.train_k0='top1'", "adaptive.max_adds_per_event=0"} <= set(floor.overrides)
+    assert "moe.train_k0='top1'" not in by_name["top-any-1.25"].overrides
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from dynmoe_dist.experiments import pretrain_moe
