@@ -182,5 +182,7 @@ def summarize(per_rank: List[Dict]) -> Dict:
 
 
 def ratio(value: float, reference: float, target: Optional[float]) -> Dict:
-    r = round(value / reference, 3)
-    return {"ratio": r, "target": target, "meets_target": None if target is None else r <= target}
+    """value / reference, shown to 3 decimals; the target is judged on the exact ratio (0.3505 is not <= 0.35,
+    though it prints as 0.35)."""
+    exact = value / reference
+    return {"ratio": round(exact, 3), "target": target, "meets_target": None if target is None else exact <= target}

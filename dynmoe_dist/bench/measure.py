@@ -223,6 +223,8 @@ def machine_info(threads: int) -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        # glibc's allocator settings change a CPU run's resident peak (what it keeps of freed blocks), not its tensors
+        "malloc_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")},
     }
 
 

@@ -44,7 +44,7 @@ TOP_PS = (0.3, 0.45, 0.6)
 0.9 route 1.31, 1.89, 2.83, 4.44 and 7.71 experts per token, so these three span native top-1 to top-3."""
 TARGET_KS = (1.0, 1.25, 1.5, 1.75, 2.0)
 TOP1_TARGET_KS = (1.25, 1.5)
-"""The budgets where top-any's tokens that choose nothing cost it most (9-18 % and 3-10 % of a layer's
+"""The budgets where top-any's tokens that choose nothing cost it most (8-19 % and 3-11 % of a layer's
 tokens at the end of the plain runs); at 1.0 train_k0 'top1' leaves the thresholds nothing to choose."""
 TOP_ANY_COMBINE = "softmax"
 """The router's probabilities renormalised over the chosen experts: moe-finetune measured it the better rule
