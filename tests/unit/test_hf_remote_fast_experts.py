@@ -1,6 +1,6 @@
 """The remote MoE layer's fast expert paths (models/hf/remote/dynmoe_layers.py) against its reference, the
 loop over the experts in float64: the grouped matmul over the expert-sorted rows (float32 and bfloat16, no
-gradient: generation; gate and in as one) and the single-token path (a batch-1 decode step), on tokens that
+gradient: generation) and the single-token path (a batch-1 decode step), on tokens that
 select no expert, one and several, for every expert kind and both k = 0 rules; the weights the grouped path
 stacks follow a load and a dtype change; without a gradient the router's gate is bitwise its mask."""
 
@@ -17,11 +17,11 @@ SPECS = {
     "ffn": dict(expert_kind="ffn", ffn_dim=F, activation="gelu_tanh", expert_bias=True),
     "gpt_oss": dict(expert_kind="gpt_oss", ffn_dim=F, activation="silu", swiglu_alpha=1.3, swiglu_limit=0.4),
 }
-# the grouped path's stacked tensors: gate and in as one matmul where the expert has both
+# the grouped path's stacked tensors: one per projection (gate and in apart: a fused matmul rounds otherwise)
 STACKED = {
-    "gated": {"w_gate_in", "w_out"},
+    "gated": {"w_gate", "w_in", "w_out"},
     "ffn": {"w_in", "w_out", "b_in", "b_out"},
-    "gpt_oss": {"w_gate_in", "w_out", "b_gate_in", "b_out"},
+    "gpt_oss": {"w_gate", "w_in", "w_out", "b_gate", "b_in", "b_out"},
 }
 ROUTERS = {
     "equal-skip": dict(router="top_any", train_k0="zero", eval_k0="skip", combine="equal"),

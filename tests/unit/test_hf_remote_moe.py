@@ -124,7 +124,7 @@ def test_plain_transformers_computes_the_trained_models_logits(group, family):
         assert got["class"].startswith("DynMoE") and got["dtype"] == str(case.dtype), name
         want = logits(model, ids)
         assert got["logits"].dtype == case.dtype
-        torch.testing.assert_close(got["logits"], want, rtol=0, atol=tolerance(case), msg=name)
+        torch.testing.assert_close(got["logits"], want, rtol=0, atol=tolerance(case), msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -314,8 +314,9 @@ class DynMoEExperts(nn.Module):
         return torch.cat([expert(rows) if rows.shape[0] else rows for expert, rows in zip(self.experts, chunks)])
 
     def grouped(self, rows_RD: Tensor, expert_R: Tensor, count_E: Tensor) -> Tensor:
-        """Every expert at once: one grouped matmul per projection over the expert-sorted rows, gate and in
-        as one (as transformers' gate_up_proj)."""
+        """Every expert at once: one grouped matmul per projection over the expert-sorted rows. Gate and in stay
+        two matmuls: one over their concatenated weights (transformers' gate_up_proj) sums in another order in
+        float32 and moved a trained model's logits 1.1e-6 from the run's (Mixtral, OLMoE, MiniMax-M2)."""
         stacked = self.stacked_weights()
         offsets_E = count_E.cumsum(0).to(torch.int32)
 
@@ -326,10 +327,7 @@ class DynMoEExperts(nn.Module):
             return out if bias is None else out + bias.to(rows.dtype).index_select(0, expert_R)
 
         def gate_and_in(rows: Tensor) -> Tuple[Optional[Tensor], Tensor]:
-            if "w_gate_in" not in stacked:
-                return None, linear(rows, "in")
-            gate_RF, in_RF = linear(rows, "gate_in").chunk(2, dim=-1)
-            return gate_RF, in_RF
+            return (linear(rows, "gate") if "w_gate" in stacked else None), linear(rows, "in")
 
         return cast(DynMoEExpert, self.experts[0]).compute(rows_RD, gate_and_in, lambda h: linear(h, "out"))
 
@@ -337,39 +335,18 @@ class DynMoEExperts(nn.Module):
         return tuple(p.data_ptr() for e in self.experts for p in cast(DynMoEExpert, e).weights().values())
 
     def stacked_weights(self) -> Dict[str, Tensor]:
-        """{name: (E, ...)} of the experts' weights (stack_layout). Built on first use, then every expert's
-        parameters are re-pointed into it (views, no second copy in memory; a save clones them apart); rebuilt
-        when a parameter has moved (a load, .to(), a new expert)."""
+        """{name: (E, ...)} of the experts' weights. Built on first use, then every expert's parameters are
+        re-pointed into it (views, no second copy in memory; a save clones them apart); rebuilt when a
+        parameter has moved (a load, .to(), a new expert)."""
         if self.addresses() != self._stacked_at:
             weights = [cast(DynMoEExpert, expert).weights() for expert in self.experts]
-            layout = stack_layout(list(weights[0]))
             with torch.no_grad():
-                self._stacked = {
-                    name: torch.stack([torch.cat([named[part] for part in parts]) for named in weights])
-                    for name, parts in layout.items()
-                }
-                for name, parts in layout.items():
-                    for e, named in enumerate(weights):
-                        views = self._stacked[name][e].split([named[part].shape[0] for part in parts])
-                        for part, view in zip(parts, views):
-                            named[part].data = view
+                self._stacked = {name: torch.stack([named[name] for named in weights]) for name in weights[0]}
+                for e, named in enumerate(weights):
+                    for name, p in named.items():
+                        p.data = self._stacked[name][e]
             self._stacked_at = self.addresses()
         return self._stacked
-
-
-FUSED: Dict[str, Tuple[str, ...]] = {"w_gate_in": ("w_gate", "w_in"), "b_gate_in": ("b_gate", "b_in")}
-"""The stacked tensors that hold two of an expert's, concatenated along the output dimension (gate first)."""
-
-
-def stack_layout(names: List[str]) -> Dict[str, Tuple[str, ...]]:
-    """{stacked name: the expert tensors it holds}: gate and in as one where the expert has both (one grouped
-    matmul instead of two), every other tensor alone under its own name."""
-    layout: Dict[str, Tuple[str, ...]] = {
-        fused: parts for fused, parts in FUSED.items() if all(part in names for part in parts)
-    }
-    taken = {part for parts in layout.values() for part in parts}
-    layout.update({name: (name,) for name in names if name not in taken})
-    return layout
 
 
 class DynMoELayer(nn.Module):
