@@ -167,10 +167,6 @@ def clamped_swiglu(gate_RF: Tensor, up_RF: Tensor, alpha: float, limit: float) -
     return (up_RF + 1) * (gate_RF * torch.sigmoid(gate_RF * alpha))
 
 
-GateAndIn = Callable[[Tensor], Tuple[Optional[Tensor], Tensor]]
-"""rows -> (gate projection, None for an ungated expert; in projection)."""
-
-
 class DynMoEExpert(nn.Module):
     """One expert: 'gated' (w_out(act(w_gate x) * w_in x)), 'ffn' (w_out act(w_in x + b_in) + b_out) or
     'gpt_oss' (w_out clamped_swiglu(w_gate x + b_gate, w_in x + b_in) + b_out, biases always)."""
@@ -192,27 +188,20 @@ class DynMoEExpert(nn.Module):
         self.b_in = _bias(ffn_dim, bias)
         self.b_out = _bias(dim, bias)
 
-    def compute(self, rows_RD: Tensor, gate_and_in: GateAndIn, out: Callable[[Tensor], Tensor]) -> Tensor:
-        """The expert's math with ``gate_and_in(rows)`` for its first projections (gate, None for an ungated
-        expert, and in) and ``out(hidden)`` for the last: this expert's own weights (forward), or every expert's
-        at once over rows grouped by expert, gate and in as one matmul (DynMoEExperts.grouped)."""
-        gate_RF, hidden_RF = gate_and_in(rows_RD)
+    def compute(self, rows_RD: Tensor, linear: Callable[[Tensor, str], Tensor]) -> Tensor:
+        """The expert's math with ``linear(rows, 'in' / 'gate' / 'out')`` for its projections: this expert's
+        own weights (forward) or every expert's at once over rows grouped by expert (DynMoEExperts.grouped)."""
+        hidden_RF = linear(rows_RD, "in")
         if self.swiglu is not None:
-            hidden_RF = clamped_swiglu(cast(Tensor, gate_RF), hidden_RF, *self.swiglu)
-        elif gate_RF is not None:
-            hidden_RF = self.act(gate_RF) * hidden_RF
+            hidden_RF = clamped_swiglu(linear(rows_RD, "gate"), hidden_RF, *self.swiglu)
+        elif self.gated:
+            hidden_RF = self.act(linear(rows_RD, "gate")) * hidden_RF
         else:
             hidden_RF = self.act(hidden_RF)
-        return out(hidden_RF)
+        return linear(hidden_RF, "out")
 
     def forward(self, rows_RD: Tensor) -> Tensor:
-        return self.compute(rows_RD, self.own_gate_and_in, self.own_out)
-
-    def own_gate_and_in(self, rows_RD: Tensor) -> Tuple[Optional[Tensor], Tensor]:
-        return (self.own_linear(rows_RD, "gate") if self.gated else None), self.own_linear(rows_RD, "in")
-
-    def own_out(self, hidden_RF: Tensor) -> Tensor:
-        return self.own_linear(hidden_RF, "out")
+        return self.compute(rows_RD, self.own_linear)
 
     def own_linear(self, rows: Tensor, name: str) -> Tensor:
         return _linear(rows, getattr(self, "w_" + name), getattr(self, "b_" + name))
@@ -326,10 +315,7 @@ class DynMoEExperts(nn.Module):
             bias = stacked.get("b_" + name)
             return out if bias is None else out + bias.to(rows.dtype).index_select(0, expert_R)
 
-        def gate_and_in(rows: Tensor) -> Tuple[Optional[Tensor], Tensor]:
-            return (linear(rows, "gate") if "w_gate" in stacked else None), linear(rows, "in")
-
-        return cast(DynMoEExpert, self.experts[0]).compute(rows_RD, gate_and_in, lambda h: linear(h, "out"))
+        return cast(DynMoEExpert, self.experts[0]).compute(rows_RD, linear)
 
     def addresses(self) -> Tuple[int, ...]:
         return tuple(p.data_ptr() for e in self.experts for p in cast(DynMoEExpert, e).weights().values())
